@@ -1,0 +1,125 @@
+"""Model configuration: the architecture hyper-parameters read from a GGUF file or a HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from hsdjax.errors import HsdjaxError
+
+SUPPORTED_FAMILIES = ("llama", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer hyper-parameters (hashable, so it can be a static jit argument)."""
+
+    family: str  # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_context: int = 8192
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    dtype: str = "float32"  # compute dtype: float32 on CPU, bfloat16 on accelerators
+
+    def __post_init__(self) -> None:
+        if self.family not in SUPPORTED_FAMILIES:
+            raise HsdjaxError(
+                f"unsupported model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise HsdjaxError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        e, f, l = self.hidden_size, self.intermediate_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = e * q + 2 * e * kv + q * e + 3 * e * f + 2 * e
+        if self.qkv_bias:
+            per_layer += q + 2 * kv
+        head = 0 if self.tie_embeddings else self.vocab_size * e
+        return self.vocab_size * e + l * per_layer + e + head
+
+
+def config_from_gguf_fields(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata (already decoded to Python values)."""
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_FAMILIES:
+        raise HsdjaxError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise HsdjaxError(f"GGUF file lacks the field {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or [])
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count") or hidden // heads)
+    return ModelConfig(
+        family=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_context=int(get("context_length", 4096)),
+        tie_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+
+
+def config_from_hf(path: Path) -> ModelConfig:
+    """Build a ModelConfig from a Hugging Face ``config.json``."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HsdjaxError(f"cannot read {path}: {exc}") from None
+    family = raw.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise HsdjaxError(f"{path}: model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+    if raw.get("rope_scaling"):
+        raise HsdjaxError(f"{path}: rope_scaling {raw['rope_scaling']} is not supported yet")
+    heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    return ModelConfig(
+        family=family,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_context=int(raw.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+    )

@@ -1,0 +1,250 @@
+"""Model runtime: the Llama / Qwen2 decoder in Flax, its KV cache, and the masked multi-token forward.
+
+One forward call takes, per batch row, an arbitrary set of T new tokens with explicit positions and an
+explicit mask among them (causal for prefill, a tree mask for verification, one token for decoding).
+Every new token attends to the row's cached prefix (``cache.length`` valid entries) and to the new
+tokens its mask allows. The forward never writes the cache: it returns the new keys/values, and
+``commit`` packs the chosen ones (all of them for plain decoding, the accepted path for speculative
+decoding) right after the row's prefix. Layers are stacked and run under ``nn.scan`` so compile time
+does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
+
+from hsdjax.config import ModelConfig
+
+NEG_INF = -1e30
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys/values, [L, B, K, S, D], and the number of valid entries per row, [B]."""
+
+    k: Float[Array, "L B K S D"]
+    v: Float[Array, "L B K S D"]
+    length: Int[Array, " B"]
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[3]
+
+
+def init_cache(cfg: ModelConfig, batch: int, size: int, dtype: Any = None) -> KVCache:
+    """An empty cache of ``size`` slots per row."""
+    dtype = dtype or jnp.dtype(cfg.dtype)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
+
+
+def commit(
+    cache: KVCache,
+    new_k: Float[Array, "L B T K D"],
+    new_v: Float[Array, "L B T K D"],
+    keep: Int[Array, "B A"],
+    n_keep: Int[Array, " B"],
+) -> KVCache:
+    """Append the new entries ``keep[b, :n_keep[b]]`` of each row after its prefix.
+
+    All A gathered entries are written (slots beyond ``n_keep`` hold garbage that the advanced
+    ``length`` masks out and the next commit overwrites), so the cache needs A spare slots.
+    """
+    take = jax.vmap(lambda x, idx: x[:, idx], in_axes=(1, 0), out_axes=1)  # [L, B, A, K, D]
+    k_sel = take(new_k, keep).transpose(0, 1, 3, 2, 4).astype(cache.k.dtype)
+    v_sel = take(new_v, keep).transpose(0, 1, 3, 2, 4).astype(cache.v.dtype)
+
+    def write(buf, upd, start):  # buf [L, K, S, D], upd [L, K, A, D]
+        return jax.lax.dynamic_update_slice(buf, upd, (0, 0, start, 0))
+
+    write_rows = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)
+    return KVCache(
+        k=write_rows(cache.k, k_sel, cache.length),
+        v=write_rows(cache.v, v_sel, cache.length),
+        length=cache.length + n_keep.astype(jnp.int32),
+    )
+
+
+def rms_norm(x: Float[Array, "... E"], scale: Float[Array, " E"], eps: float) -> Float[Array, "... E"]:
+    var = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    return (x * jax.lax.rsqrt(var + eps)).astype(x.dtype) * scale
+
+
+def rope_tables(positions: Int[Array, "B T"], head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos/sin tables [B, T, D/2] for the half-split rotary embedding."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Float[Array, "B T N D"], cos: Array, sin: Array) -> Float[Array, "B T N D"]:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def attention(
+    q: Float[Array, "B T H D"],
+    cache_k: Float[Array, "B K S D"] | None,
+    cache_v: Float[Array, "B K S D"] | None,
+    cache_valid: Bool[Array, "B S"] | None,
+    new_k: Float[Array, "B T K D"],
+    new_v: Float[Array, "B T K D"],
+    new_mask: Bool[Array, "B T T"],
+) -> Float[Array, "B T H D"]:
+    """Masked GQA attention of new queries over (cached prefix, new tokens); the jnp reference path.
+
+    One softmax spans both parts. Every query must be allowed to see at least itself.
+    """
+    b, t, h, d = q.shape
+    kh = new_k.shape[2]
+    g = h // kh
+    qg = (q * (d ** -0.5)).reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    kn = new_k.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    vn = new_v.transpose(0, 2, 1, 3)
+    s_new = jnp.einsum("bkgtd,bkud->bkgtu", qg, kn, preferred_element_type=jnp.float32)
+    s_new = jnp.where(new_mask[:, None, None], s_new, NEG_INF)
+    m = jnp.max(s_new, axis=-1, keepdims=True)
+    if cache_k is not None:
+        s_cache = jnp.einsum("bkgtd,bksd->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
+        s_cache = jnp.where(cache_valid[:, None, None, None], s_cache, NEG_INF)
+        m = jnp.maximum(m, jnp.max(s_cache, axis=-1, keepdims=True))
+    p_new = jnp.exp(s_new - m)
+    denom = jnp.sum(p_new, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgtu,bkud->bkgtd", p_new.astype(vn.dtype), vn, preferred_element_type=jnp.float32)
+    if cache_k is not None:
+        p_cache = jnp.exp(s_cache - m)
+        denom = denom + jnp.sum(p_cache, axis=-1, keepdims=True)
+        out = out + jnp.einsum("bkgts,bksd->bkgtd", p_cache.astype(cache_v.dtype), cache_v,
+                               preferred_element_type=jnp.float32)
+    out = out / denom
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+
+
+def _dense_init(scale: float = 0.02):
+    return nn.initializers.normal(stddev=scale)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: RMSNorm -> GQA attention (RoPE) -> RMSNorm -> SwiGLU MLP."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, cache_k, cache_v, cos, sin, cache_valid, new_mask):
+        cfg = self.cfg
+        e, d = cfg.hidden_size, cfg.head_dim
+        hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
+        dt = jnp.dtype(cfg.dtype)
+
+        def p(name, shape, init=_dense_init()):
+            return self.param(name, init, shape, jnp.float32).astype(dt)
+
+        x_in = x
+        h = rms_norm(x, p("attn_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
+        q, k, v = h @ p("wq", (e, hq)), h @ p("wk", (e, hk)), h @ p("wv", (e, hk))
+        if cfg.qkv_bias:
+            zeros = nn.initializers.zeros
+            q, k, v = q + p("bq", (hq,), zeros), k + p("bk", (hk,), zeros), v + p("bv", (hk,), zeros)
+        b, t = x.shape[:2]
+        q = apply_rope(q.reshape(b, t, cfg.num_heads, d), cos, sin)
+        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), cos, sin)
+        v = v.reshape(b, t, cfg.num_kv_heads, d)
+        attn = attention(q, cache_k, cache_v, cache_valid, k, v, new_mask)
+        x = x + attn.reshape(b, t, hq) @ p("wo", (hq, e))
+
+        h = rms_norm(x, p("mlp_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
+        gate, up = h @ p("w_gate", (e, cfg.intermediate_size)), h @ p("w_up", (e, cfg.intermediate_size))
+        x = x + (jax.nn.silu(gate) * up) @ p("w_down", (cfg.intermediate_size, e))
+        return x, (k, v, x_in)
+
+
+class Transformer(nn.Module):
+    """The decoder: embeddings, a scanned stack of Blocks, final norm; ``logits`` applies the LM head."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = self.param("embed", _dense_init(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
+        self.final_norm = self.param("final_norm", nn.initializers.ones, (cfg.hidden_size,), jnp.float32)
+        if not cfg.tie_embeddings:
+            self.lm_head = self.param("lm_head", _dense_init(), (cfg.hidden_size, cfg.vocab_size), jnp.float32)
+        self.layers = nn.scan(
+            Block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+        )(cfg)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        new_mask: Bool[Array, "B T T"],
+        cache: KVCache | None = None,
+    ) -> dict[str, Array]:
+        """Run T new tokens per row over the cached prefix (none when ``cache`` is None).
+
+        Returns ``hidden`` [B, T, E] (final-normed, what the LM head reads), ``k``/``v``
+        [L, B, T, K, D] for ``commit``, and ``layers`` [L+1, B, T, E]: the input of every layer
+        followed by the last layer's (un-normed) output, for drafters.
+        """
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        x = jnp.take(self.embed, tokens, axis=0).astype(dt)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        if cache is None:
+            cache_k = cache_v = cache_valid = None
+        else:
+            cache_k, cache_v = cache.k, cache.v
+            cache_valid = jnp.arange(cache.size)[None, :] < cache.length[:, None]
+        out, (k, v, layer_inputs) = self.layers(x, cache_k, cache_v, cos, sin, cache_valid, new_mask)
+        return {
+            "hidden": rms_norm(out, self.final_norm.astype(dt), cfg.rms_norm_eps),
+            "k": k,
+            "v": v,
+            "layers": jnp.concatenate([layer_inputs, out[None]], axis=0),
+        }
+
+    def logits(self, hidden: Float[Array, "... E"]) -> Float[Array, "... V"]:
+        """LM head (the tied embedding matrix or the separate head); float32 logits."""
+        dt = jnp.dtype(self.cfg.dtype)
+        if self.cfg.tie_embeddings:  # contract with the [V, E] embedding directly: no transposed copy
+            return jnp.einsum("...e,ve->...v", hidden, self.embed.astype(dt), preferred_element_type=jnp.float32)
+        return jnp.matmul(hidden, self.lm_head.astype(dt), preferred_element_type=jnp.float32)
+
+
+def causal_mask(lengths: Int[Array, " B"], t: int) -> Bool[Array, "B T T"]:
+    """Causal mask for T new tokens, padding beyond ``lengths`` masked (each query still sees itself)."""
+    i = jnp.arange(t)
+    causal = i[None, :, None] >= i[None, None, :]
+    valid = i[None, None, :] < lengths[:, None, None]
+    return (causal & valid) | (i[:, None] == i[None, :])[None]
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """Random parameters (for tests and tiny models); layout matches ``hsdjax.weights``."""
+    model = Transformer(cfg)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    variables = model.init(jax.random.PRNGKey(seed), tokens, tokens, jnp.ones((1, 1, 1), bool))
+    return _to_canonical(variables["params"])
+
+
+def _to_canonical(flax_params: dict[str, Any]) -> dict[str, Any]:
+    out = dict(flax_params)
+    out["layers"] = dict(out["layers"])
+    return out
+
+
+def to_flax(params: dict[str, Any]) -> dict[str, Any]:
+    """Canonical params -> Flax variables for ``Transformer.apply``."""
+    return {"params": params}
