@@ -104,8 +104,11 @@ def config_from_hf(path: Path) -> ModelConfig:
     family = raw.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         raise HsdjaxError(f"{path}: model_type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
-    if raw.get("rope_scaling"):
-        raise HsdjaxError(f"{path}: rope_scaling {raw['rope_scaling']} is not supported yet")
+    rope = raw.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling:
+        raise HsdjaxError(f"{path}: rope scaling {scaling} is not supported yet")
+    rope_theta = raw.get("rope_theta") or rope.get("rope_theta") or 10000.0
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     return ModelConfig(
@@ -117,7 +120,7 @@ def config_from_hf(path: Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or hidden // heads),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rope_theta=float(rope_theta),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_context=int(raw.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),

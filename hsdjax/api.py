@@ -1,0 +1,290 @@
+"""The Python API: load a model, then ``Generator.generate`` / ``Generator.stream`` over a batch of prompts.
+
+Underneath are the jitted functions of ``hsdjax.engine`` (and, per method, the speculative engine),
+which take params, caches and draft state as explicit pytrees, so they can also be called from a
+user's own jitted code. This module only prepares inputs (tokenize, chat template, bucketing), keeps
+the compiled programs per shape, and turns outputs back into text and statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hsdjax import engine, registry
+from hsdjax.config import ModelConfig
+from hsdjax.errors import HsdjaxError
+from hsdjax.paths import cache_dir
+from hsdjax.sampling import SamplingParams
+from hsdjax.tokenizer import IncrementalDecoder, Tokenizer
+from hsdjax.weights import load_weights
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+METHODS = ("ar",)
+
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+
+_compilation_cache_on = False
+
+
+def enable_compilation_cache() -> None:
+    """Turn on JAX's persistent compilation cache in ``cache_dir("jax")`` (once per process)."""
+    global _compilation_cache_on
+    if _compilation_cache_on:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir("jax")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _compilation_cache_on = True
+
+
+def default_dtype() -> str:
+    """float32 on CPU (XLA's CPU bfloat16 matmuls are slow), bfloat16 on GPU/TPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A target model ready to run: config, params (device arrays), tokenizer, provenance."""
+
+    name: str
+    cfg: ModelConfig
+    params: dict[str, Any]
+    tokenizer: Tokenizer
+    source: registry.ModelSource
+    fingerprint: str  # sha256 of the weights file(s): drafters are bound to it
+    timings: dict[str, float]
+
+
+def _fingerprint(source: registry.ModelSource) -> str:
+    if source.spec is not None:
+        return source.spec.sha256
+    if source.kind == "gguf":
+        return registry.file_sha256(source.path)
+    import hashlib
+
+    digest = hashlib.sha256()
+    for f in sorted(Path(source.path).glob("*.safetensors")):
+        digest.update(f.name.encode())
+        digest.update(registry.file_sha256(f).encode())
+    return digest.hexdigest()
+
+
+def load_model(name_or_path: str | None = None, *, dtype: str | None = None, progress: bool = False) -> LoadedModel:
+    """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder."""
+    enable_compilation_cache()
+    source = registry.resolve(name_or_path or registry.default_model())
+    fingerprint = _fingerprint(source)
+    cfg, np_params, timings = load_weights(source.path, source.kind, fingerprint, progress=progress)
+    dtype = dtype or default_dtype()
+    cfg = cfg.replace(dtype=dtype)
+    t0 = time.perf_counter()
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), np_params)
+    if source.kind == "gguf":
+        tokenizer = Tokenizer.from_gguf(source.path)
+    else:
+        tokenizer = Tokenizer.from_hf_folder(source.path)
+    timings = dict(timings, device_put_s=time.perf_counter() - t0)
+    return LoadedModel(source.name, cfg, params, tokenizer, source, fingerprint, timings)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One row's output and its statistics (seconds exclude compilation)."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" or "length"
+    prefill_s: float
+    decode_s: float
+    compile_s: float
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``generate --json`` object."""
+        seconds = self.seconds
+        return {
+            "text": self.text,
+            "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "seconds": round(seconds, 6),
+            "tokens_per_s": round(self.new_tokens / seconds, 3) if seconds > 0 else None,
+            "decode_tokens_per_s": round(self.new_tokens / self.decode_s, 3) if self.decode_s > 0 else None,
+            "compile_s": round(self.compile_s, 3),
+            **self.stats,
+        }
+
+
+class Generator:
+    """Generates text with one method on one loaded model; compiled programs are kept per shape."""
+
+    def __init__(self, model: LoadedModel, method: str = "ar"):
+        if method not in METHODS:
+            raise HsdjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+        self.model = model
+        self.method = method
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+
+    # ------------------------------------------------------------------ inputs
+    def encode_prompt(self, prompt: Prompt, chat: bool = True, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: a string (chat template applied unless ``chat=False``), a list of
+        chat messages, or a list of token ids (used as is)."""
+        tok = self.model.tokenizer
+        if isinstance(prompt, str):
+            if not prompt.strip() and chat:
+                raise HsdjaxError("the prompt is empty")
+            if chat and tok.has_chat_template:
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": prompt}]
+                return tok.encode_chat(messages)
+            ids = tok.encode(prompt, add_special_tokens=True)
+        elif prompt and isinstance(prompt[0], dict):
+            if not tok.has_chat_template:
+                raise HsdjaxError(f"model {self.model.name} has no chat template; pass raw text instead")
+            ids = tok.encode_chat(list(prompt))
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.model.cfg.vocab_size]
+            if bad:
+                raise HsdjaxError(f"token ids out of range [0, {self.model.cfg.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise HsdjaxError("the prompt is empty")
+        return ids
+
+    def _batch(self, rows: list[list[int]], max_new: int, temperature: float, top_k: int, top_p: float,
+               seed: int) -> tuple[dict[str, Any], int, int]:
+        cfg = self.model.cfg
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise HsdjaxError(f"invalid sampling settings: temperature={temperature} (>= 0), "
+                              f"top_p={top_p} (0 < top_p <= 1), top_k={top_k} (>= 0)")
+        longest = max(len(r) for r in rows)
+        p_bucket, s_bucket = engine.plan_shapes(cfg, longest, max_new)
+        b = engine.pick_bucket(len(rows), BATCH_BUCKETS, "a batch")
+        prompt = np.zeros((b, p_bucket), np.int32)
+        lengths = np.ones((b,), np.int32)
+        for i, r in enumerate(rows):
+            prompt[i, : len(r)] = r
+            lengths[i] = len(r)
+        budget = np.zeros((b,), np.int32)
+        budget[: len(rows)] = max_new
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(b))
+        inputs = dict(
+            prompt=jnp.asarray(prompt), prompt_len=jnp.asarray(lengths), max_new=jnp.asarray(budget),
+            sampling=SamplingParams.make(b, temperature, top_k, top_p), keys=keys,
+            stop_ids=engine.stop_array(self.model.tokenizer.stop_ids),
+        )
+        return inputs, b, s_bucket
+
+    # ------------------------------------------------------------------ compiled programs
+    def _program(self, kind: str, fn: Any, *args: Any, **static: Any) -> tuple[Any, float]:
+        shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), args[1:])
+        key = (kind, str(shapes), tuple(sorted(static.items())))
+        if key in self._compiled:
+            return self._compiled[key], 0.0
+        t0 = time.perf_counter()
+        compiled = fn.lower(*args, cfg=self.model.cfg, **static).compile()
+        self._compiled[key] = compiled
+        return compiled, time.perf_counter() - t0
+
+    def _prefill(self, inputs: dict[str, Any], s_bucket: int) -> tuple[engine.GenState, float, float]:
+        args = (self.model.params, inputs["prompt"], inputs["prompt_len"], inputs["max_new"],
+                inputs["sampling"], inputs["keys"], inputs["stop_ids"])
+        program, compile_s = self._program("prefill", engine.prefill, *args, cache_size=s_bucket)
+        t0 = time.perf_counter()
+        state, _ = program(*args)
+        jax.block_until_ready(state)
+        return state, time.perf_counter() - t0, compile_s
+
+    def _decode_program(self, state: engine.GenState) -> tuple[Any, float]:
+        return self._program("decode", engine.decode, self.model.params, state, jnp.int32(1))
+
+    # ------------------------------------------------------------------ public
+    def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 chat: bool = True, system: str | None = None) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (one compiled call per batch); one result per prompt."""
+        batch = [prompts] if _is_single(prompts) else list(prompts)
+        if not batch:
+            raise HsdjaxError("no prompts given")
+        rows = [self.encode_prompt(p, chat, system) for p in batch]
+        inputs, _, s_bucket = self._batch(rows, max_new_tokens, temperature, top_k, top_p, seed)
+        state, prefill_s, compile_s = self._prefill(inputs, s_bucket)
+        program, c2 = self._decode_program(state)
+        t0 = time.perf_counter()
+        state = program(self.model.params, state, jnp.int32(max_new_tokens))
+        jax.block_until_ready(state)
+        decode_s = time.perf_counter() - t0
+        return self._results(state, rows, prefill_s, decode_s, compile_s + c2)
+
+    def stream(self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
+               chunk_steps: int = 8) -> Iterator[str]:
+        """Yield text pieces as they are generated (whole UTF-8 characters only). The final
+        ``GenerationResult`` is available as ``self.last_result`` when the iterator ends; closing
+        the iterator early stops the generation."""
+        rows = [self.encode_prompt(prompt, chat, system)]
+        inputs, _, s_bucket = self._batch(rows, max_new_tokens, temperature, top_k, top_p, seed)
+        state, prefill_s, compile_s = self._prefill(inputs, s_bucket)
+        program, c2 = self._decode_program(state)
+        decoder = IncrementalDecoder(self.model.tokenizer, skip_special_tokens=True)
+        stops = set(self.model.tokenizer.stop_ids)
+        seen, decode_s = 0, 0.0
+        while True:
+            n = int(state.n_out[0])
+            new = [t for t in np.asarray(state.out[0, seen:n]).tolist() if t not in stops]
+            seen = n
+            piece = decoder.push(new)
+            if piece:
+                yield piece
+            if bool(state.done[0]):
+                break
+            t0 = time.perf_counter()
+            state = program(self.model.params, state, jnp.int32(chunk_steps))
+            jax.block_until_ready(state)
+            decode_s += time.perf_counter() - t0
+        tail = decoder.flush()
+        if tail:
+            yield tail
+        self.last_result = self._results(state, rows, prefill_s, decode_s, compile_s + c2)[0]
+
+    def _results(self, state: engine.GenState, rows: list[list[int]], prefill_s: float, decode_s: float,
+                 compile_s: float) -> list[GenerationResult]:
+        out, n_out = np.asarray(state.out), np.asarray(state.n_out)
+        stops = set(self.model.tokenizer.stop_ids)
+        results = []
+        for i, r in enumerate(rows):
+            toks = out[i, : n_out[i]].tolist()
+            stopped = bool(toks) and toks[-1] in stops
+            text = self.model.tokenizer.decode(toks[:-1] if stopped else toks, skip_special_tokens=True)
+            results.append(GenerationResult(
+                text=text, tokens=toks, prompt_tokens=len(r), finish_reason="stop" if stopped else "length",
+                prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s,
+                stats={"method": self.method, "devices": jax.device_count(), "batch": len(rows)},
+            ))
+        return results
+
+
+def _is_single(prompts: Any) -> bool:
+    if isinstance(prompts, str):
+        return True
+    if prompts and isinstance(prompts[0], dict):
+        return True  # one conversation
+    return bool(prompts) and isinstance(prompts[0], int)

