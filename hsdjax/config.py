@@ -30,6 +30,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False
     dtype: str = "float32"  # compute dtype: float32 on CPU, bfloat16 on accelerators
+    # Run layers under lax.scan (compile time independent of depth) or unrolled (separate per-layer
+    # weights: faster decoding on XLA's CPU backend, which copies scanned weight slices).
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:

@@ -26,22 +26,32 @@ NEG_INF = -1e30
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys/values, [L, B, K, S, D], and the number of valid entries per row, [B]."""
+    """Keys/values per layer and the number of valid entries per row, [B].
 
-    k: Float[Array, "L B K S D"]
-    v: Float[Array, "L B K S D"]
+    ``k``/``v`` are one stacked [L, B, K, S, D] array when layers run under ``lax.scan``, or a tuple
+    of L [B, K, S, D] arrays when they are unrolled (see ``ModelConfig.scan_layers``).
+    """
+
+    k: Float[Array, "L B K S D"] | tuple[Float[Array, "B K S D"], ...]
+    v: Float[Array, "L B K S D"] | tuple[Float[Array, "B K S D"], ...]
     length: Int[Array, " B"]
 
     @property
     def size(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
 
 def init_cache(cfg: ModelConfig, batch: int, size: int, dtype: Any = None) -> KVCache:
     """An empty cache of ``size`` slots per row."""
     dtype = dtype or jnp.dtype(cfg.dtype)
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
+    layer = (batch, cfg.num_kv_heads, size, cfg.head_dim)
+    if cfg.scan_layers:
+        k = jnp.zeros((cfg.num_layers, *layer), dtype)
+        v = jnp.zeros((cfg.num_layers, *layer), dtype)
+    else:
+        k = tuple(jnp.zeros(layer, dtype) for _ in range(cfg.num_layers))
+        v = tuple(jnp.zeros(layer, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=k, v=v, length=jnp.zeros((batch,), jnp.int32))
 
 
 def commit(
@@ -57,18 +67,20 @@ def commit(
     ``length`` masks out and the next commit overwrites), so the cache needs A spare slots.
     """
     take = jax.vmap(lambda x, idx: x[:, idx], in_axes=(1, 0), out_axes=1)  # [L, B, A, K, D]
-    k_sel = take(new_k, keep).transpose(0, 1, 3, 2, 4).astype(cache.k.dtype)
-    v_sel = take(new_v, keep).transpose(0, 1, 3, 2, 4).astype(cache.v.dtype)
+    k_sel = take(new_k, keep).transpose(0, 1, 3, 2, 4)  # [L, B, K, A, D]
+    v_sel = take(new_v, keep).transpose(0, 1, 3, 2, 4)
 
-    def write(buf, upd, start):  # buf [L, K, S, D], upd [L, K, A, D]
-        return jax.lax.dynamic_update_slice(buf, upd, (0, 0, start, 0))
+    def write(buf, upd, start):  # one row: buf [..., K, S, D], upd [..., K, A, D]
+        return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (0,) * (buf.ndim - 2) + (start, 0))
 
-    write_rows = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)
-    return KVCache(
-        k=write_rows(cache.k, k_sel, cache.length),
-        v=write_rows(cache.v, v_sel, cache.length),
-        length=cache.length + n_keep.astype(jnp.int32),
-    )
+    if isinstance(cache.k, tuple):
+        write_rows = jax.vmap(write, in_axes=(0, 0, 0))
+        k = tuple(write_rows(c, k_sel[i], cache.length) for i, c in enumerate(cache.k))
+        v = tuple(write_rows(c, v_sel[i], cache.length) for i, c in enumerate(cache.v))
+    else:
+        write_rows = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)
+        k, v = write_rows(cache.k, k_sel, cache.length), write_rows(cache.v, v_sel, cache.length)
+    return KVCache(k=k, v=v, length=cache.length + n_keep.astype(jnp.int32))
 
 
 def rms_norm(x: Float[Array, "... E"], scale: Float[Array, " E"], eps: float) -> Float[Array, "... E"]:
@@ -177,13 +189,16 @@ class Transformer(nn.Module):
         self.final_norm = self.param("final_norm", nn.initializers.ones, (cfg.hidden_size,), jnp.float32)
         if not cfg.tie_embeddings:
             self.lm_head = self.param("lm_head", _dense_init(), (cfg.hidden_size, cfg.vocab_size), jnp.float32)
-        self.layers = nn.scan(
-            Block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-        )(cfg)
+        if cfg.scan_layers:
+            self.layers = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+            )(cfg)
+        else:
+            self.blocks = [Block(cfg) for _ in range(cfg.num_layers)]
 
     def __call__(
         self,
@@ -207,7 +222,16 @@ class Transformer(nn.Module):
         else:
             cache_k, cache_v = cache.k, cache.v
             cache_valid = jnp.arange(cache.size)[None, :] < cache.length[:, None]
-        out, (k, v, layer_inputs) = self.layers(x, cache_k, cache_v, cos, sin, cache_valid, new_mask)
+        if cfg.scan_layers:
+            out, (k, v, layer_inputs) = self.layers(x, cache_k, cache_v, cos, sin, cache_valid, new_mask)
+        else:
+            out, per_layer = x, []
+            for i, block in enumerate(self.blocks):
+                layer_k = None if cache is None else cache_k[i]
+                layer_v = None if cache is None else cache_v[i]
+                out, kv = block(out, layer_k, layer_v, cos, sin, cache_valid, new_mask)
+                per_layer.append(kv)
+            k, v, layer_inputs = (jnp.stack(parts) for parts in zip(*per_layer))
         return {
             "hidden": rms_norm(out, self.final_norm.astype(dt), cfg.rms_norm_eps),
             "k": k,
@@ -232,19 +256,35 @@ def causal_mask(lengths: Int[Array, " B"], t: int) -> Bool[Array, "B T T"]:
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
-    """Random parameters (for tests and tiny models); layout matches ``hsdjax.weights``."""
-    model = Transformer(cfg)
+    """Random parameters in the canonical stacked layout (for tests and tiny models)."""
+    model = Transformer(cfg.replace(scan_layers=True))
     tokens = jnp.zeros((1, 1), jnp.int32)
     variables = model.init(jax.random.PRNGKey(seed), tokens, tokens, jnp.ones((1, 1, 1), bool))
-    return _to_canonical(variables["params"])
+    params = dict(variables["params"])
+    params["layers"] = dict(params["layers"])
+    return params if cfg.scan_layers else unstack_layers(params)
 
 
-def _to_canonical(flax_params: dict[str, Any]) -> dict[str, Any]:
-    out = dict(flax_params)
-    out["layers"] = dict(out["layers"])
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """Stacked ``layers`` -> ``blocks_0`` ... ``blocks_{L-1}`` for the unrolled layer loop.
+
+    XLA's CPU backend copies each layer's weights out of a stacked array inside ``lax.scan`` before
+    its matmuls; separate arrays let decoding read every weight exactly once per token.
+    """
+    if "layers" not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != "layers"}
+    num_layers = next(iter(params["layers"].values())).shape[0]
+    for i in range(num_layers):
+        out[f"blocks_{i}"] = {name: w[i] for name, w in params["layers"].items()}
     return out
 
 
-def to_flax(params: dict[str, Any]) -> dict[str, Any]:
-    """Canonical params -> Flax variables for ``Transformer.apply``."""
-    return {"params": params}
+def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of ``unstack_layers``: the canonical stacked layout."""
+    blocks = sorted((k for k in params if k.startswith("blocks_")), key=lambda k: int(k.split("_")[1]))
+    if not blocks:
+        return params
+    out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
+    out["layers"] = {name: jnp.stack([params[b][name] for b in blocks]) for name in params[blocks[0]]}
+    return out

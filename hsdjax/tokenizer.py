@@ -6,10 +6,17 @@ rebuilds a Hugging Face ``tokenizers`` byte-level BPE tokenizer from those field
 the pre-tokenizer that ``tokenizer.ggml.pre`` names (as llama.cpp does), and renders the file's chat
 template with jinja2 the way transformers' ``apply_chat_template`` does.
 
-Building a 49k-token vocabulary takes ~0.15 s and a 152k one ~0.3 s, and loading a serialized
-``tokenizer.json`` of the same size is no faster, so nothing is cached on disk. Reading the metadata
-with ``gguf.GGUFReader`` costs more than building; pass an open reader to
-:meth:`Tokenizer.from_gguf_reader` to share it with the weight loader.
+Ids match transformers' GGUF tokenizer except where transformers does not know the ``pre`` type:
+for ``smollm`` (StarCoder-style vocabularies) every digit is split off first, as in llama.cpp and in
+SmolLM's own tokenizer.json, while transformers applies GPT-2's pattern alone, so the two differ on
+numbers after whitespace runs (``"  1"`` is ``ĠĠ 1`` here, ``Ġ Ġ 1`` there) and on non-ASCII numerals.
+
+Building a 49k-token vocabulary takes ~0.15 s and a 152k one ~0.4 s, and loading a serialized
+``tokenizer.json`` of the same size is no faster, so nothing is cached on disk. ``gguf.GGUFReader``
+is slow on big vocabularies (it makes numpy views for every string: ~3 s for SmolLM2's 49k tokens,
+~10 s for Qwen2.5's 152k), so :meth:`Tokenizer.from_gguf` walks the key/value section itself and
+decodes only the ``tokenizer.*`` keys (~0.2 s); :meth:`Tokenizer.from_gguf_reader` takes a reader a
+caller already has open.
 
 :class:`IncrementalDecoder` turns a stream of generated ids into text without ever splitting a
 multi-byte UTF-8 character.
@@ -21,8 +28,11 @@ import codecs
 import functools
 import json
 import logging
+import mmap
+import numbers
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -180,6 +190,82 @@ def _gguf_value(reader: Any, key: str) -> Any:
     return None if field is None else field.contents()
 
 
+# GGUF value types (gguf.GGUFValueType) -> struct format of one value.
+_GGUF_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _NotLittleEndianGGUF(Exception):
+    """A GGUF this reader does not walk (big-endian or an old version); GGUFReader handles it."""
+
+
+def _read_gguf_metadata(path: Path, prefix: str = "tokenizer.") -> dict[str, Any]:
+    """Decode the metadata keys starting with ``prefix`` from a GGUF file, skipping over the rest.
+
+    Values come out as ``GGUFReader.fields[key].contents()`` gives them (str, int, float, bool, lists).
+    """
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise HsdjaxError(f"{path} is not a readable GGUF file: bad magic {bytes(buf[:4])!r}")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        if version not in (2, 3):
+            raise _NotLittleEndianGGUF(version)
+        _, kv_count = struct.unpack_from("<QQ", buf, 8)
+        offset = 24
+
+        def read_string() -> str:
+            nonlocal offset
+            (length,) = struct.unpack_from("<Q", buf, offset)
+            offset += 8 + length
+            return buf[offset - length : offset].decode("utf-8", "replace")
+
+        def skip_string() -> None:
+            nonlocal offset
+            offset += 8 + struct.unpack_from("<Q", buf, offset)[0]
+
+        def read_value(kind: int, keep: bool) -> Any:
+            nonlocal offset
+            if kind == _GGUF_STRING:
+                if keep:
+                    return read_string()
+                skip_string()
+                return None
+            if kind == _GGUF_ARRAY:
+                item_kind, count = struct.unpack_from("<IQ", buf, offset)
+                offset += 12
+                if item_kind in _GGUF_FORMATS:
+                    fmt = f"<{count}{_GGUF_FORMATS[item_kind]}"
+                    values = list(struct.unpack_from(fmt, buf, offset)) if keep else None
+                    offset += struct.calcsize(fmt)
+                    return values
+                if item_kind == _GGUF_STRING:
+                    if keep:
+                        return [read_string() for _ in range(count)]
+                    for _ in range(count):
+                        skip_string()
+                    return None
+                values = [read_value(item_kind, keep) for _ in range(count)]
+                return values if keep else None
+            fmt = "<" + _GGUF_FORMATS[kind]
+            (value,) = struct.unpack_from(fmt, buf, offset)
+            offset += struct.calcsize(fmt)
+            return value
+
+        out: dict[str, Any] = {}
+        try:
+            for _ in range(kv_count):
+                key = read_string()
+                (kind,) = struct.unpack_from("<I", buf, offset)
+                offset += 4
+                keep = key.startswith(prefix)
+                value = read_value(kind, keep)
+                if keep:
+                    out[key] = value
+        except (struct.error, KeyError) as exc:
+            raise HsdjaxError(f"{path} is not a readable GGUF file: corrupt metadata ({exc})") from exc
+        return out
+
+
 def _valid_id(value: Any, size: int) -> int | None:
     if value is None:
         return None
@@ -309,55 +395,63 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Build the tokenizer described by a GGUF file's metadata."""
-        import gguf
-
         path = Path(path)
         if not path.is_file():
             raise HsdjaxError(f"GGUF file not found: {path}")
         try:
-            reader = gguf.GGUFReader(path)
-        except Exception as exc:  # bad magic, truncated file...
+            metadata = _read_gguf_metadata(path)
+        except _NotLittleEndianGGUF:
+            import gguf
+
+            try:
+                reader = gguf.GGUFReader(path)
+            except Exception as exc:  # bad magic, truncated file...
+                raise HsdjaxError(f"{path} is not a readable GGUF file: {exc}") from exc
+            return cls.from_gguf_reader(reader, source=str(path))
+        except (OSError, ValueError) as exc:  # empty file (mmap), unreadable file
             raise HsdjaxError(f"{path} is not a readable GGUF file: {exc}") from exc
-        return cls.from_gguf_reader(reader, source=str(path))
+        return cls._from_metadata(metadata.get, str(path))
 
     @classmethod
     def from_gguf_reader(cls, reader: Any, source: str = "") -> Tokenizer:
-        """Build the tokenizer from an open ``gguf.GGUFReader`` (so a weight loader can share it)."""
+        """Build the tokenizer from an open ``gguf.GGUFReader`` (for a caller that already has one)."""
         source = source or str(getattr(getattr(reader, "data", None), "filename", "") or "GGUF")
-        model = _gguf_value(reader, "tokenizer.ggml.model")
-        tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
+        return cls._from_metadata(lambda key: _gguf_value(reader, key), source)
+
+    @classmethod
+    def _from_metadata(cls, get: Callable[[str], Any], source: str) -> Tokenizer:
+        model = get("tokenizer.ggml.model")
+        tokens = get("tokenizer.ggml.tokens")
         if model is None or not tokens:
             raise HsdjaxError(f"{source} has no tokenizer metadata (tokenizer.ggml.model/tokens missing)")
         if model != "gpt2":
             raise HsdjaxError(
                 f"{source}: tokenizer model {model!r} is not supported (hsdjax reads byte-level BPE, 'gpt2')"
             )
-        merges = _gguf_value(reader, "tokenizer.ggml.merges")
+        merges = get("tokenizer.ggml.merges")
         if not merges:
             raise HsdjaxError(f"{source}: byte-level BPE tokenizer without tokenizer.ggml.merges")
-        tokens = [t if isinstance(t, str) else bytes(t).decode("utf-8", "replace") for t in tokens]
-        merges = [m if isinstance(m, str) else bytes(m).decode("utf-8", "replace") for m in merges]
-        pre = _gguf_value(reader, "tokenizer.ggml.pre") or "default"
-        token_types = _gguf_value(reader, "tokenizer.ggml.token_type")
-        add_prefix_space = bool(_gguf_value(reader, "tokenizer.ggml.add_space_prefix") or False)
-        backend = _build_byte_level_bpe(tokens, merges, token_types, pre, add_prefix_space)
+        pre = get("tokenizer.ggml.pre") or "default"
+        backend = _build_byte_level_bpe(
+            tokens, merges, get("tokenizer.ggml.token_type"), pre, bool(get("tokenizer.ggml.add_space_prefix"))
+        )
         size = len(tokens)
-        add_bos = _gguf_value(reader, "tokenizer.ggml.add_bos_token")
+        add_bos = get("tokenizer.ggml.add_bos_token")
         if add_bos is None:  # llama.cpp's default: only Llama-3-style vocabularies add BOS
             add_bos = _PRE_FAMILIES.get(pre) == "llama3"
         return cls(
             backend,
-            bos_id=_valid_id(_gguf_value(reader, "tokenizer.ggml.bos_token_id"), size),
-            eos_id=_valid_id(_gguf_value(reader, "tokenizer.ggml.eos_token_id"), size),
-            unk_id=_valid_id(_gguf_value(reader, "tokenizer.ggml.unknown_token_id"), size),
-            pad_id=_valid_id(_gguf_value(reader, "tokenizer.ggml.padding_token_id"), size),
+            bos_id=_valid_id(get("tokenizer.ggml.bos_token_id"), size),
+            eos_id=_valid_id(get("tokenizer.ggml.eos_token_id"), size),
+            unk_id=_valid_id(get("tokenizer.ggml.unknown_token_id"), size),
+            pad_id=_valid_id(get("tokenizer.ggml.padding_token_id"), size),
             add_bos=bool(add_bos),
-            add_eos=bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token") or False),
-            chat_template=_gguf_value(reader, "tokenizer.chat_template"),
+            add_eos=bool(get("tokenizer.ggml.add_eos_token")),
+            chat_template=get("tokenizer.chat_template"),
             extra_stop_ids=[
                 i
                 for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-                if (i := _valid_id(_gguf_value(reader, key), size)) is not None
+                if (i := _valid_id(get(key), size)) is not None
             ],
             vocab_size=size,
             source=source,
@@ -589,7 +683,7 @@ class IncrementalDecoder:
 
     def push(self, token_ids: int | Iterable[int]) -> str:
         """Add generated ids; return the text they complete."""
-        ids = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+        ids = [int(token_ids)] if isinstance(token_ids, numbers.Integral) else [int(t) for t in token_ids]
         if not self._byte_level:
             return self._push_generic(ids)
         table = self._tokenizer._bytes_table()

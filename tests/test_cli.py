@@ -1,0 +1,54 @@
+"""The `hsdjax` command end to end on the real default model, and its answers to bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HSDJAX = [sys.executable, "-m", "hsdjax.cli"]
+
+
+def run(*args, stdin=None, timeout=600):
+    return subprocess.run([*HSDJAX, *args], capture_output=True, text=True, input=stdin, timeout=timeout,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def test_generate_json_end_to_end():
+    proc = run("generate", "--prompt", "What is 2 + 2? Answer with one number.", "--max-new-tokens", "24", "--json")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("text", "new_tokens", "prefill_s", "decode_s", "seconds", "tokens_per_s", "decode_tokens_per_s",
+                "compile_s", "devices"):
+        assert key in stats, key
+    assert 1 <= stats["new_tokens"] <= 24
+    assert "4" in stats["text"]
+    assert stats["seconds"] == pytest.approx(stats["prefill_s"] + stats["decode_s"], abs=1e-5)
+    assert stats["tokens_per_s"] == pytest.approx(stats["new_tokens"] / stats["seconds"], rel=1e-3)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model"),
+    (["generate", "--prompt", "   "], "prompt is empty"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "-5"], "at least 1"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "99999999"], "absurdly large"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt", "hi", "--method", "nope"], "unknown method"),
+    (["generate", "--prompt", "hi " * 9000, "--raw"], "context"),
+    (["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"], "no such file"),
+])
+def test_bad_input_is_one_clear_line(args, needle):
+    proc = run(*args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_models_list_shows_registry():
+    proc = run("models", "list")
+    assert proc.returncode == 0
+    for name in ("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
+        assert name in proc.stdout
