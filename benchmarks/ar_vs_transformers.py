@@ -206,13 +206,16 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"model {m['name']} ({m['num_params'] / 1e6:.1f} M params), prompt {m['prompt_tokens']} tokens, "
           f"up to {result['max_new_tokens']} new tokens, greedy, batch 1, {result['repeats']} interleaved repeats, "
           f"torch threads {result['threads']}")
+    load = result["machine"]["loadavg"]
+    print(f"machine: {result['machine']['cores']} cores, 1-min load average {load['start']:.1f} at start, "
+          f"{load['end']:.1f} at end (anything near the core count means the timings are contended)")
     print(f"memory bandwidth (best of {bw['rounds']}, {bw['threads']} threads, 1 GiB float32): "
           f"copy {bw['copy_gb_s']:.1f} GB/s (read + write), read {bw['read_gb_s']:.1f} GB/s\n")
     head = ["engine", "dtype", "new", "e2e tok/s", "decode tok/s", "prefill ms", "bound tok/s", "decode/bound",
             "hsdjax/this e2e", "decode"]
     rows = [head]
     for s in summary.values():
-        rows.append([s["engine"], s["dtype"], str(median(s["new_tokens"])), _fmt(s["tokens_per_s"], ".1f"),
+        rows.append([s["engine"], s["dtype"], format(median(s["new_tokens"]), "g"), _fmt(s["tokens_per_s"], ".1f"),
                      _fmt(s["decode_tokens_per_s"], ".1f"), _fmt(s["prefill_s"] * 1e3, ".1f"),
                      _fmt(s["bound_tokens_per_s"], ".1f"), _fmt(s["decode_fraction_of_bound"], ".0%"),
                      _fmt(s.get("hsdjax_ratio"), ".2f") + ("x" if "hsdjax_ratio" in s else ""),
@@ -264,6 +267,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     from hsdjax.api import Generator, load_model
 
     source = registry.resolve(args.model)  # a clear HsdjaxError when the model isn't installed
+    load_start = os.getloadavg()[0]
     progress(f"measuring memory bandwidth ({args.threads} threads)")
     bandwidth = measure_bandwidth(args.threads)
     progress(f"copy {bandwidth['copy_gb_s']:.1f} GB/s, read {bandwidth['read_gb_s']:.1f} GB/s")
@@ -304,7 +308,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "model": {"name": model.name, "path": str(source.path), "num_params": num_params, "prompt_tokens": len(ids),
                   "prompt": args.prompt, "stop_ids": list(eos)},
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "threads": args.threads,
-        "machine": {"cores": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+        "machine": {"cores": os.cpu_count(), "loadavg": {"start": load_start, "end": os.getloadavg()[0]},
+                    "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),
                     **{k: hf[0].info.get(k) for k in ("torch", "transformers") if hf}},
         "bandwidth": bandwidth,

@@ -246,10 +246,11 @@ class Generator:
         program, c2 = self._decode_program(state)
         decoder = IncrementalDecoder(self.model.tokenizer, skip_special_tokens=True)
         stops = set(self.model.tokenizer.stop_ids)
-        seen, decode_s = 0, 0.0
+        decode_s = 0.0
+        seen = int(state.prompt_len[0])
         while True:
-            n = int(state.n_out[0])
-            new = [t for t in np.asarray(state.out[0, seen:n]).tolist() if t not in stops]
+            n = int(state.seq_len[0])
+            new = [t for t in np.asarray(state.seq[0, seen:n]).tolist() if t not in stops]
             seen = n
             piece = decoder.push(new)
             if piece:
@@ -267,11 +268,11 @@ class Generator:
 
     def _results(self, state: engine.GenState, rows: list[list[int]], prefill_s: float, decode_s: float,
                  compile_s: float) -> list[GenerationResult]:
-        out, n_out = np.asarray(state.out), np.asarray(state.n_out)
+        seq, start, end = np.asarray(state.seq), np.asarray(state.prompt_len), np.asarray(state.seq_len)
         stops = set(self.model.tokenizer.stop_ids)
         results = []
         for i, r in enumerate(rows):
-            toks = out[i, : n_out[i]].tolist()
+            toks = seq[i, start[i]: end[i]].tolist()
             stopped = bool(toks) and toks[-1] in stops
             text = self.model.tokenizer.decode(toks[:-1] if stopped else toks, skip_special_tokens=True)
             results.append(GenerationResult(

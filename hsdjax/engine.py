@@ -31,14 +31,24 @@ MAX_STOP_IDS = 8
 class GenState:
     """The carry of a generation (all arrays; B rows)."""
 
-    cache: KVCache
-    out: Int[Array, "B N"]  # generated tokens, row b valid up to n_out[b]
-    n_out: Int[Array, " B"]
+    cache: KVCache  # holds every token of ``seq`` but the last one
+    seq: Int[Array, "B S"]  # prompt + generated tokens, row b valid up to seq_len[b]
+    seq_len: Int[Array, " B"]
+    prompt_len: Int[Array, " B"]
     done: Bool[Array, " B"]
     max_new: Int[Array, " B"]
-    keys: UInt[Array, "B 2"]  # per-row base RNG keys; step keys are fold_in(key, n_out)
+    keys: UInt[Array, "B 2"]  # per-row base RNG keys; a step's key is fold_in(key, seq_len)
     sampling: SamplingParams
     stop_ids: Int[Array, " M"]  # padded with -1
+
+    @property
+    def n_out(self) -> Int[Array, " B"]:
+        """Generated tokens per row."""
+        return self.seq_len - self.prompt_len
+
+    def last_token(self) -> Int[Array, " B"]:
+        """The newest token of each row (not yet in the cache)."""
+        return jnp.take_along_axis(self.seq, (self.seq_len - 1)[:, None], axis=1)[:, 0]
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
@@ -74,12 +84,18 @@ def step_keys(keys: UInt[Array, "B 2"], counter: Int[Array, " B"]) -> UInt[Array
     return jax.vmap(jax.random.fold_in)(keys, counter)
 
 
-def finished(token: Int[Array, " B"], n_out: Int[Array, " B"], state: GenState, cache: KVCache) -> Bool[Array, " B"]:
-    is_stop = jnp.any(token[:, None] == state.stop_ids[None, :], axis=-1)
-    return is_stop | (n_out >= state.max_new) | (cache.length + 1 >= cache.size)
+def is_stop(tokens: Int[Array, "..."], stop_ids: Int[Array, " M"]) -> Bool[Array, "..."]:
+    return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "cache_size"))
+def finished(token: Int[Array, " B"], n_out: Int[Array, " B"], state: GenState, cache: KVCache,
+             spare: int = 1) -> Bool[Array, " B"]:
+    """Rows that end after emitting ``token``: a stop token, the budget, or no room for ``spare``
+    more cache entries."""
+    return is_stop(token, state.stop_ids) | (n_out >= state.max_new) | (cache.length + spare >= cache.size)
+
+
+@partial(jax.jit, static_argnames=("cfg", "cache_size", "spare"))
 def prefill(
     params: dict[str, Any],
     prompt: Int[Array, "B P"],
@@ -91,11 +107,13 @@ def prefill(
     *,
     cfg: ModelConfig,
     cache_size: int,
+    spare: int = 1,
 ) -> tuple[GenState, dict[str, Array]]:
     """Run the prompts (right-padded to P), fill the cache, choose each row's first new token.
 
-    Rows with ``max_new`` 0 are padding: they start done. Also returns the forward outputs at the
-    last prompt position (``hidden``, ``layers``) for drafters.
+    Rows with ``max_new`` 0 are padding: they start done. ``spare`` is the number of cache slots a
+    step may need (1 for plain decoding, the tree size for speculative decoding). Also returns the
+    prompt's forward outputs (``hidden``, ``layers``, ``k``, ``v``) for drafters.
     """
     model = Transformer(cfg)
     b, p = prompt.shape
@@ -105,31 +123,32 @@ def prefill(
     last = (prompt_len - 1)[:, None]
     hidden_last = jnp.take_along_axis(fwd["hidden"], last[:, :, None], axis=1)[:, 0]
     logits = model.apply({"params": params}, hidden_last, method=Transformer.logits)
-    zeros = jnp.zeros((b,), jnp.int32)
-    first = select_tokens(logits, sampling, step_keys(keys, zeros))
-    out = jnp.zeros((b, cache_size), jnp.int32).at[:, 0].set(first)
-    state = GenState(cache=cache, out=out, n_out=jnp.ones((b,), jnp.int32), done=max_new <= 0,
+    first = select_tokens(logits, sampling, step_keys(keys, prompt_len))
+    seq = jnp.zeros((b, cache_size), jnp.int32).at[:, :p].set(prompt)
+    seq = seq.at[jnp.arange(b), prompt_len].set(first)
+    state = GenState(cache=cache, seq=seq, seq_len=prompt_len + 1, prompt_len=prompt_len, done=max_new <= 0,
                      max_new=max_new, keys=keys, sampling=sampling, stop_ids=stop_ids)
-    state = state.replace(done=state.done | finished(first, state.n_out, state, cache))
-    return state, {"hidden": hidden_last, "logits": logits}
+    state = state.replace(done=state.done | finished(first, state.n_out, state, cache, spare))
+    return state, fwd
 
 
 def ar_round(params: dict[str, Any], state: GenState, cfg: ModelConfig) -> GenState:
     """One plain decoding step for every row that is not done."""
     model = Transformer(cfg)
-    b = state.n_out.shape[0]
-    last = jnp.take_along_axis(state.out, (state.n_out - 1)[:, None], axis=1)
+    b = state.seq_len.shape[0]
     positions = state.cache.length[:, None]
-    fwd = model.apply({"params": params}, last, positions, jnp.ones((b, 1, 1), bool), state.cache)
+    fwd = model.apply({"params": params}, state.last_token()[:, None], positions, jnp.ones((b, 1, 1), bool),
+                      state.cache)
     active = ~state.done
     cache = commit(state.cache, fwd["k"], fwd["v"], jnp.zeros((b, 1), jnp.int32), active.astype(jnp.int32))
     logits = model.apply({"params": params}, fwd["hidden"][:, 0], method=Transformer.logits)
-    token = select_tokens(logits, state.sampling, step_keys(state.keys, state.n_out))
+    token = select_tokens(logits, state.sampling, step_keys(state.keys, state.seq_len))
     rows = jnp.arange(b)
-    out = state.out.at[rows, state.n_out].set(jnp.where(active, token, state.out[rows, state.n_out]))
-    n_out = state.n_out + active.astype(jnp.int32)
-    done = state.done | (active & finished(token, n_out, state, cache))
-    return state.replace(cache=cache, out=out, n_out=n_out, done=done)
+    slot = jnp.minimum(state.seq_len, state.seq.shape[1] - 1)
+    seq = state.seq.at[rows, slot].set(jnp.where(active, token, state.seq[rows, slot]))
+    seq_len = state.seq_len + active.astype(jnp.int32)
+    state = state.replace(cache=cache, seq=seq, seq_len=seq_len)
+    return state.replace(done=state.done | (active & finished(token, state.n_out, state, cache)))
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))

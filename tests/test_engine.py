@@ -14,15 +14,21 @@ from hsdjax.sampling import SamplingParams, adjust_logits, select_tokens, target
 
 
 def naive_greedy(cfg, params, prompt, n):
-    """Recompute the whole sequence for every token: the slowest, most obviously right decoder."""
+    """Recompute the whole sequence for every token (no cache): the most obviously right decoder."""
     model = Transformer(cfg)
-    seq = list(prompt)
-    for _ in range(n):
-        t = len(seq)
-        out = model.apply({"params": params}, jnp.array([seq]), jnp.arange(t)[None], causal_mask(jnp.array([t]), t))
-        logits = model.apply({"params": params}, out["hidden"][0, -1], method=Transformer.logits)
-        seq.append(int(jnp.argmax(logits)))
-    return seq[len(prompt):]
+    total = len(prompt) + n
+
+    @jax.jit
+    def next_token(tokens, length):
+        out = model.apply({"params": params}, tokens[None], jnp.arange(total)[None], causal_mask(length[None], total))
+        logits = model.apply({"params": params}, out["hidden"][0, length - 1], method=Transformer.logits)
+        return jnp.argmax(logits)
+
+    seq = np.zeros(total, np.int32)
+    seq[: len(prompt)] = prompt
+    for t in range(len(prompt), total):
+        seq[t] = int(next_token(jnp.asarray(seq), jnp.int32(t)))
+    return seq[len(prompt):].tolist()
 
 
 def run(cfg, params, prompts, max_new, chunks=None, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=()):
@@ -38,8 +44,8 @@ def run(cfg, params, prompts, max_new, chunks=None, temperature=0.0, top_k=0, to
                               keys, engine.stop_array(stop), cfg=cfg, cache_size=s_bucket)
     for steps in chunks or [max_new]:
         state = engine.decode(params, state, jnp.int32(steps), cfg=cfg)
-    out, n = np.asarray(state.out), np.asarray(state.n_out)
-    return [out[i, : n[i]].tolist() for i in range(b)]
+    seq, start, end = np.asarray(state.seq), np.asarray(state.prompt_len), np.asarray(state.seq_len)
+    return [seq[i, start[i]: end[i]].tolist() for i in range(b)]
 
 
 def test_greedy_equals_naive_loop(tiny):
