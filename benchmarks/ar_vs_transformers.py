@@ -277,7 +277,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     gen = Generator(model, method="ar")
     ids = gen.encode_prompt(args.prompt)
     eos = model.tokenizer.stop_ids
-    progress(f"starting transformers workers ({', '.join(args.hf_dtypes)}); they load while hsdjax compiles")
+    if args.hf_dtypes:
+        progress(f"starting transformers workers ({', '.join(args.hf_dtypes)}); they load while hsdjax compiles")
     hf = [TransformersEngine(args.model, d, args.threads, eos) for d in args.hf_dtypes]
     try:
         engines = [HsdjaxEngine(gen), *hf]

@@ -26,7 +26,6 @@ from hsdjax.tokenizer import IncrementalDecoder, Tokenizer
 from hsdjax.weights import load_weights
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-METHODS = ("ar",)
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
@@ -136,11 +135,12 @@ class GenerationResult:
 class Generator:
     """Generates text with one method on one loaded model; compiled programs are kept per shape."""
 
-    def __init__(self, model: LoadedModel, method: str = "ar"):
-        if method not in METHODS:
-            raise HsdjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    def __init__(self, model: LoadedModel, method: str = "ar", **options: Any):
+        from hsdjax.drafters import make_drafter
+
         self.model = model
         self.method = method
+        self.drafter, self.dparams = make_drafter(method, model, **options)
         self._compiled: dict[tuple[Any, ...], Any] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -176,7 +176,7 @@ class Generator:
             raise HsdjaxError(f"invalid sampling settings: temperature={temperature} (>= 0), "
                               f"top_p={top_p} (0 < top_p <= 1), top_k={top_k} (>= 0)")
         longest = max(len(r) for r in rows)
-        p_bucket, s_bucket = engine.plan_shapes(cfg, longest, max_new)
+        p_bucket, s_bucket = engine.plan_shapes(cfg, longest, max_new, spare=self.drafter.spare)
         b = engine.pick_bucket(len(rows), BATCH_BUCKETS, "a batch")
         prompt = np.zeros((b, p_bucket), np.int32)
         lengths = np.ones((b,), np.int32)
@@ -200,21 +200,31 @@ class Generator:
         if key in self._compiled:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()
-        compiled = fn.lower(*args, cfg=self.model.cfg, **static).compile()
+        compiled = fn.lower(*args, **static).compile()
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t0
 
-    def _prefill(self, inputs: dict[str, Any], s_bucket: int) -> tuple[engine.GenState, float, float]:
+    def _prefill(self, inputs: dict[str, Any], s_bucket: int) -> tuple[engine.DecodeState, float, float]:
+        """Prefill plus the drafter's start (both timed as prefill, compilation excluded)."""
         args = (self.model.params, inputs["prompt"], inputs["prompt_len"], inputs["max_new"],
                 inputs["sampling"], inputs["keys"], inputs["stop_ids"])
-        program, compile_s = self._program("prefill", engine.prefill, *args, cache_size=s_bucket)
+        program, compile_s = self._program("prefill", engine.prefill, *args, cfg=self.model.cfg,
+                                           cache_size=s_bucket, spare=self.drafter.spare)
         t0 = time.perf_counter()
-        state, _ = program(*args)
+        gen, prompt_fwd = program(*args)
+        jax.block_until_ready(gen)
+        elapsed = time.perf_counter() - t0
+        start_args = (self.dparams, gen, prompt_fwd)
+        start, c2 = self._program("start", engine.start_decoding, *start_args, drafter=self.drafter)
+        t0 = time.perf_counter()
+        state = start(*start_args)
         jax.block_until_ready(state)
-        return state, time.perf_counter() - t0, compile_s
+        return state, elapsed + time.perf_counter() - t0, compile_s + c2
 
-    def _decode_program(self, state: engine.GenState) -> tuple[Any, float]:
-        return self._program("decode", engine.decode, self.model.params, state, jnp.int32(1))
+    def _decode_program(self, state: engine.DecodeState) -> tuple[Any, float]:
+        program, compile_s = self._program("decode", engine.decode, self.model.params, self.dparams, state,
+                                           jnp.int32(1), cfg=self.model.cfg, drafter=self.drafter)
+        return (lambda st, n: program(self.model.params, self.dparams, st, jnp.int32(n))), compile_s
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 256,
@@ -229,7 +239,7 @@ class Generator:
         state, prefill_s, compile_s = self._prefill(inputs, s_bucket)
         program, c2 = self._decode_program(state)
         t0 = time.perf_counter()
-        state = program(self.model.params, state, jnp.int32(max_new_tokens))
+        state = program(state, max_new_tokens)
         jax.block_until_ready(state)
         decode_s = time.perf_counter() - t0
         return self._results(state, rows, prefill_s, decode_s, compile_s + c2)
@@ -247,18 +257,18 @@ class Generator:
         decoder = IncrementalDecoder(self.model.tokenizer, skip_special_tokens=True)
         stops = set(self.model.tokenizer.stop_ids)
         decode_s = 0.0
-        seen = int(state.prompt_len[0])
+        seen = int(state.gen.prompt_len[0])
         while True:
-            n = int(state.seq_len[0])
-            new = [t for t in np.asarray(state.seq[0, seen:n]).tolist() if t not in stops]
+            n = int(state.gen.seq_len[0])
+            new = [t for t in np.asarray(state.gen.seq[0, seen:n]).tolist() if t not in stops]
             seen = n
             piece = decoder.push(new)
             if piece:
                 yield piece
-            if bool(state.done[0]):
+            if bool(state.gen.done[0]):
                 break
             t0 = time.perf_counter()
-            state = program(self.model.params, state, jnp.int32(chunk_steps))
+            state = program(state, chunk_steps)
             jax.block_until_ready(state)
             decode_s += time.perf_counter() - t0
         tail = decoder.flush()
@@ -266,19 +276,31 @@ class Generator:
             yield tail
         self.last_result = self._results(state, rows, prefill_s, decode_s, compile_s + c2)[0]
 
-    def _results(self, state: engine.GenState, rows: list[list[int]], prefill_s: float, decode_s: float,
+    def _results(self, state: engine.DecodeState, rows: list[list[int]], prefill_s: float, decode_s: float,
                  compile_s: float) -> list[GenerationResult]:
-        seq, start, end = np.asarray(state.seq), np.asarray(state.prompt_len), np.asarray(state.seq_len)
+        gen, st = state.gen, jax.tree_util.tree_map(np.asarray, state.stats)
+        seq, start, end = np.asarray(gen.seq), np.asarray(gen.prompt_len), np.asarray(gen.seq_len)
         stops = set(self.model.tokenizer.stop_ids)
         results = []
         for i, r in enumerate(rows):
             toks = seq[i, start[i]: end[i]].tolist()
             stopped = bool(toks) and toks[-1] in stops
             text = self.model.tokenizer.decode(toks[:-1] if stopped else toks, skip_special_tokens=True)
+            passes = int(st.target_passes[i])
+            decoded = len(toks) - 1  # the first new token comes from the prefill pass
+            hist = st.accept_hist[i].tolist()
+            while len(hist) > 1 and hist[-1] == 0:
+                hist.pop()
             results.append(GenerationResult(
                 text=text, tokens=toks, prompt_tokens=len(r), finish_reason="stop" if stopped else "length",
                 prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s,
-                stats={"method": self.method, "devices": jax.device_count(), "batch": len(rows)},
+                stats={
+                    "method": self.method, "devices": jax.device_count(), "batch": len(rows),
+                    "mean_accepted_length": round(decoded / passes, 4) if passes else None,
+                    "target_passes": passes, "draft_steps": int(st.draft_passes[i]),
+                    "mean_tree_nodes": round(int(st.tree_nodes[i]) / passes, 3) if passes else None,
+                    "accept_hist": hist,
+                },
             ))
         return results
 

@@ -1,10 +1,16 @@
-"""The jitted autoregressive engine (`ar`): prefill, then a ``lax.while_loop`` of one-token steps.
+"""The decoding engine: prefill, then one jitted ``lax.while_loop`` of draft -> verify -> accept rounds.
 
-Everything a generation needs lives in one pytree, ``GenState`` (KV cache, output buffer, counters,
-per-row sampling settings and RNG keys), donated between calls. ``decode`` advances it by up to
-``max_steps`` tokens per row, so a whole generation is one call and streaming / cancellation happen
-between calls of the same compiled program. Shapes are static per (batch, prompt bucket, cache
-bucket); the number of steps is a traced argument, so changing it never recompiles.
+Every method runs through the same loop: a drafter proposes a tree, the target verifies it in one
+pass, the accepted path is committed to the KV cache and appended to the sequence, and the drafter
+observes the result (and may reuse its work). Plain decoding (`ar`) is the drafter whose tree is only
+its root, so a round is one ordinary decoding step.
+
+Everything a generation needs lives in one pytree, ``DecodeState`` (target KV cache and token
+sequence, per-row sampling settings and RNG keys, drafter state, statistics), donated between calls.
+``decode`` advances it by up to ``max_rounds`` rounds, so a whole generation is one call and
+streaming / cancellation happen between calls of the same compiled program. Shapes are static per
+(batch, prompt bucket, cache bucket, drafter); the number of rounds is a traced argument, so
+changing it never recompiles.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from hsdjax.config import ModelConfig
 from hsdjax.errors import HsdjaxError
 from hsdjax.model import KVCache, Transformer, causal_mask, commit, init_cache
 from hsdjax.sampling import SamplingParams, select_tokens
+from hsdjax.tree import ancestor_mask
+from hsdjax.tree import positions as tree_positions
+from hsdjax.verify import verify_chain_sampled, verify_tree
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 CACHE_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -132,36 +141,102 @@ def prefill(
     return state, fwd
 
 
-def ar_round(params: dict[str, Any], state: GenState, cfg: ModelConfig) -> GenState:
-    """One plain decoding step for every row that is not done."""
+@struct.dataclass
+class RoundStats:
+    """Per-row counters accumulated over rounds (a round = one target verification pass)."""
+
+    target_passes: Int[Array, " B"]
+    draft_passes: Int[Array, " B"]  # drafter forward passes (its layer stack called once)
+    tree_nodes: Int[Array, " B"]  # valid tree nodes verified, root included
+    accept_hist: Int[Array, "B P"]  # accept_hist[b, k]: rounds that emitted k new tokens
+
+    @classmethod
+    def zeros(cls, batch: int, max_depth: int) -> "RoundStats":
+        z = jnp.zeros((batch,), jnp.int32)
+        return cls(z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32))
+
+
+@struct.dataclass
+class DecodeState:
+    """The whole carry of the decoding loop: target state, drafter state, statistics."""
+
+    gen: GenState
+    draft: Any
+    stats: RoundStats
+
+
+def append_tokens(gen: GenState, cache: KVCache, tokens: Int[Array, "B P"], count: Int[Array, " B"],
+                  spare: int) -> tuple[GenState, Int[Array, " B"]]:
+    """Append ``tokens[b, :count[b]]`` to each active row, cut after a stop token or at the budget.
+
+    Returns the new state and the number of tokens each row actually emitted.
+    """
+    b, p = tokens.shape
+    idx = jnp.arange(p)[None, :]
+    active = ~gen.done
+    stop_at = jnp.where(is_stop(tokens, gen.stop_ids) & (idx < count[:, None]), idx, p)
+    first_stop = jnp.min(stop_at, axis=1)
+    n = jnp.minimum(jnp.minimum(count, first_stop + 1), gen.max_new - gen.n_out)
+    n = jnp.where(active, jnp.maximum(n, 0), 0)
+    seq = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))(
+        gen.seq, tokens.astype(jnp.int32), gen.seq_len)
+    seq = jnp.where(active[:, None], seq, gen.seq)
+    gen = gen.replace(cache=cache, seq=seq, seq_len=gen.seq_len + n)
+    ended = (first_stop < n) | (gen.n_out >= gen.max_new) | (cache.length + spare >= cache.size)
+    return gen.replace(done=gen.done | (active & ended)), n
+
+
+def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: ModelConfig,
+               drafter: Any) -> DecodeState:
+    """One round for every row: draft a tree, verify it in one target pass, accept, compact the
+    cache to the accepted path, append the new tokens, let the drafter observe the result."""
     model = Transformer(cfg)
-    b = state.seq_len.shape[0]
-    positions = state.cache.length[:, None]
-    fwd = model.apply({"params": params}, state.last_token()[:, None], positions, jnp.ones((b, 1, 1), bool),
-                      state.cache)
-    active = ~state.done
-    cache = commit(state.cache, fwd["k"], fwd["v"], jnp.zeros((b, 1), jnp.int32), active.astype(jnp.int32))
-    logits = model.apply({"params": params}, fwd["hidden"][:, 0], method=Transformer.logits)
-    token = select_tokens(logits, state.sampling, step_keys(state.keys, state.seq_len))
-    rows = jnp.arange(b)
-    slot = jnp.minimum(state.seq_len, state.seq.shape[1] - 1)
-    seq = state.seq.at[rows, slot].set(jnp.where(active, token, state.seq[rows, slot]))
-    seq_len = state.seq_len + active.astype(jnp.int32)
-    state = state.replace(cache=cache, seq=seq, seq_len=seq_len)
-    return state.replace(done=state.done | (active & finished(token, state.n_out, state, cache)))
+    gen = state.gen
+    tree, draft, draft_passes = drafter.propose(dparams, state.draft, gen)
+    mask = ancestor_mask(tree, drafter.max_depth)
+    fwd = model.apply({"params": params}, tree.tokens, tree_positions(tree, gen.cache.length), mask, gen.cache)
+    logits = model.apply({"params": params}, fwd["hidden"], method=Transformer.logits)
+    keys = step_keys(gen.keys, gen.seq_len)
+    verify = verify_chain_sampled if drafter.sampled_chain else verify_tree
+    verdict = verify(logits, tree, gen.sampling, keys, drafter.max_depth)
+    active = ~gen.done
+    cache = commit(gen.cache, fwd["k"], fwd["v"], verdict.path, jnp.where(active, verdict.n_path, 0))
+    new_gen, emitted = append_tokens(gen, cache, verdict.emitted(tree), verdict.n_path, drafter.spare)
+    draft = drafter.observe(dparams, draft, gen, new_gen, tree, verdict, fwd)
+    on = active.astype(jnp.int32)
+    st = state.stats
+    stats = RoundStats(
+        target_passes=st.target_passes + on,
+        draft_passes=st.draft_passes + draft_passes * on,
+        tree_nodes=st.tree_nodes + jnp.sum(tree.valid, axis=1) * on,
+        accept_hist=st.accept_hist + jax.nn.one_hot(emitted, st.accept_hist.shape[1], dtype=jnp.int32) * on[:, None],
+    )
+    return DecodeState(gen=new_gen, draft=draft, stats=stats)
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def decode(params: dict[str, Any], state: GenState, max_steps: Int[Array, ""], *, cfg: ModelConfig) -> GenState:
-    """Advance every row by up to ``max_steps`` tokens (fewer when all rows are done)."""
+@partial(jax.jit, static_argnames=("drafter",))
+def start_decoding(dparams: Any, gen: GenState, prompt_fwd: dict[str, Array], *, drafter: Any) -> DecodeState:
+    """Initial drafter state (e.g. the draft model's own prefill) and zeroed statistics."""
+    b = gen.seq_len.shape[0]
+    return DecodeState(gen=gen, draft=drafter.init_state(dparams, gen, prompt_fwd),
+                       stats=RoundStats.zeros(b, drafter.max_depth))
+
+
+@partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("state",))
+def decode(params: dict[str, Any], dparams: Any, state: DecodeState, max_rounds: Int[Array, ""], *,
+           cfg: ModelConfig, drafter: Any) -> DecodeState:
+    """Advance every row by up to ``max_rounds`` rounds (fewer when all rows are done).
+
+    With the ``ar`` drafter (a tree of just its root) a round is one plain decoding step.
+    """
 
     def cond(carry):
         step, st = carry
-        return (step < max_steps) & ~jnp.all(st.done)
+        return (step < max_rounds) & ~jnp.all(st.gen.done)
 
     def body(carry):
         step, st = carry
-        return step + 1, ar_round(params, st, cfg)
+        return step + 1, spec_round(params, dparams, st, cfg, drafter)
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state

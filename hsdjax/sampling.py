@@ -53,8 +53,12 @@ def adjust_logits(logits: Float[Array, "B V"], sp: SamplingParams) -> Float[Arra
 def target_probs(logits: Float[Array, "B V"], sp: SamplingParams) -> Float[Array, "B V"]:
     """The distribution plain decoding samples from (one-hot argmax for greedy rows)."""
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    sampled = jax.nn.softmax(adjust_logits(logits, sp), axis=-1)
-    return jnp.where((sp.temperature > 0)[:, None], sampled, greedy)
+
+    def sampled(_):
+        return jax.nn.softmax(adjust_logits(logits, sp), axis=-1)
+
+    probs = jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda _: greedy, None)
+    return jnp.where((sp.temperature > 0)[:, None], probs, greedy)
 
 
 def select_tokens(

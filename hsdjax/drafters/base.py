@@ -1,0 +1,61 @@
+"""The drafter interface every method implements, and `ar` (no drafting) as its simplest case.
+
+A drafter is a frozen dataclass of static settings (hashable: it is a static argument of the jitted
+loop) whose methods are pure functions traced inside the loop. Its learnable or model state (draft
+LM weights, a trained drafter's params) is passed separately as ``dparams``; its per-generation state
+(caches, reusable chain states) is an explicit pytree carried by the loop.
+
+    init_state(dparams, gen, prompt_fwd) -> state
+    propose(dparams, state, gen) -> (tree, state, passes)
+    observe(dparams, state, gen_before, gen_after, tree, verdict, target_fwd) -> state
+
+``propose`` returns a ``DraftTree`` whose root is the newest token and the number of drafter forward
+passes it spent per row; ``observe`` sees the verdict and the target's forward outputs for every
+tree node (hidden states of the accepted path included), so feature drafters can update.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from hsdjax.tree import DraftTree, root_only
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter(abc.ABC):
+    """Base class. Subclasses set ``num_nodes`` (tree slots incl. the root) and ``max_depth``."""
+
+    name: str = "ar"
+    num_nodes: int = 1
+    max_depth: int = 0
+    sampled_chain: bool = False  # tokens sampled from q_probs: verify with the min(1, p/q) rule
+
+    @property
+    def spare(self) -> int:
+        """Cache / sequence slots one round may touch beyond the current length."""
+        return self.num_nodes + self.max_depth + 2
+
+    def init_state(self, dparams: Any, gen: Any, prompt_fwd: dict[str, Array]) -> Any:
+        return ()
+
+    @abc.abstractmethod
+    def propose(self, dparams: Any, state: Any, gen: Any) -> tuple[DraftTree, Any, Int[Array, " B"]]:
+        """The next tree (root = ``gen.last_token()``), the new state, drafter passes per row."""
+
+    def observe(self, dparams: Any, state: Any, gen_before: Any, gen_after: Any, tree: DraftTree,
+                verdict: Any, target_fwd: dict[str, Array]) -> Any:
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class ARDrafter(Drafter):
+    """Plain autoregressive decoding: the tree is the root alone, so each round emits one token."""
+
+    def propose(self, dparams, state, gen):
+        root = gen.last_token()
+        return root_only(root), state, jnp.zeros_like(root)

@@ -1,0 +1,51 @@
+"""`pld`: prompt lookup (n-gram) drafting, training-free.
+
+The newest tokens of a row (its last 1..``max_ngram`` tokens, longest first) are looked up in the
+row's earlier context; the tokens that followed each match are proposed as continuations. The
+``width`` best matches (longer n-gram first, then most recent) become chains that are merged into one
+trie, so a round verifies several guesses at once. Everything is vectorised over the context; there
+is no drafter state and no drafter forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hsdjax.drafters.base import Drafter
+from hsdjax.tree import chains_to_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookupDrafter(Drafter):
+    name: str = "pld"
+    width: int = 2  # candidate continuations per round
+    depth: int = 6  # tokens per continuation
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_nodes", 1 + self.width * self.depth)
+        object.__setattr__(self, "max_depth", self.depth)
+
+    def propose(self, dparams, state, gen):
+        seq, length = gen.seq, gen.seq_len
+        b, s = seq.shape
+        last = jnp.take_along_axis(seq, (length[:, None] - 1 - jnp.arange(self.max_ngram)[None, :]).clip(0), axis=1)
+        # A match ends at e (exclusive, e < length): seq[e-1-j] == seq[length-1-j] for j < n.
+        ends = jnp.arange(s)[None, :]  # [1, S]
+        back = ends[:, :, None] - 1 - jnp.arange(self.max_ngram)[None, None, :]  # [1, S, G]
+        window = jnp.take_along_axis(seq[:, :, None], jnp.broadcast_to(back.clip(0), (b, s, self.max_ngram)), axis=1)
+        eq = (window == last[:, None, :]) & (back >= 0)
+        n_match = jnp.sum(jnp.cumprod(eq.astype(jnp.int32), axis=-1), axis=-1)  # [B, S]
+        usable = (ends < length[:, None]) & (n_match >= self.min_ngram)
+        score = jnp.where(usable, n_match * s + ends, -1)
+        top, where = jax.lax.top_k(score, self.width)  # [B, W]
+        follow = where[:, :, None] + jnp.arange(self.depth)[None, None, :]  # [B, W, D]
+        chains = jnp.take_along_axis(seq[:, None, :], follow.clip(0, s - 1), axis=2)
+        avail = jnp.clip(length[:, None] - where, 0, self.depth)  # continuation tokens inside the context
+        lengths = jnp.where(top >= 0, avail, 0)
+        tree = chains_to_tree(gen.last_token(), chains, lengths)
+        return tree, state, jnp.zeros((b,), jnp.int32)
