@@ -39,12 +39,18 @@ folds in the cache block by block; invalid slots are masked to ``NEG_INF`` and b
   into SMEM; the cache index_map clamps the block index to the last valid block, so blocks past
   ``cache_len`` are neither fetched (the block index repeats, so no new DMA) nor computed
   (``pl.when``). Block shapes satisfy Mosaic tiling: cache blocks are (block_s, D) with D the
-  full head dim (no cache copy, also for D = 64), query rows are padded to a multiple of 8 and
-  new-token columns to a multiple of 128 (lane width).
+  full head dim (no cache copy, also for D = 64), query rows are padded to a multiple of 8
+  (16 for 16-bit dtypes) and new-token columns to a multiple of 128 (lane width).
 
 ``tree_attention`` picks the variant with ``jax.lax.platform_dependent`` (TPU -> "grid",
-anything else -> "loop"), so a function exported for several platforms gets the right kernel on
-each. ``tree_attention_auto`` uses the kernel on GPU / TPU and the jnp reference on CPU.
+anything else -> "loop"), decided at lowering time, so exporting from a CPU host for
+``platforms=["cuda"]`` or ``["tpu"]`` gets the right kernel. Lowering for several platforms at once
+(``platforms=["cuda", "tpu"]``) is not supported: JAX lowers every kept ``platform_dependent``
+branch for all requested platforms, and each variant's pallas_call only lowers on its own
+backend. The GPU kernel is the Triton custom call ``__gpu$xla.gpu.triton``, which ``jax.export``
+only serializes with ``disabled_checks=[DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]``
+(Triton IR has no cross-version stability guarantee); the TPU one is a stable ``tpu_custom_call``.
+``tree_attention_auto`` uses the kernel on GPU / TPU and the jnp reference on CPU.
 """
 
 from __future__ import annotations
@@ -313,7 +319,7 @@ def _tree_attention_grid(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask
     b, t, h, d = q.shape
     kh, s = cache_k.shape[1], cache_k.shape[2]
     g = h // kh
-    m_pad = _round_up(g * t, 8)
+    m_pad = _round_up(g * t, 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize))  # 8 / 16 (bf16) sublanes
     u_pad = _round_up(t, 128)
     bs, s_pad = _cache_blocking(s, block_s)
     qm, ck, cv, lens, nk, nv, mask = _layout(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask,

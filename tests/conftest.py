@@ -39,3 +39,45 @@ def smollm():
 def pytest_report_header(config):
     return f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} devices); " \
            f"HSDJAX_HOME={os.environ.get('HSDJAX_HOME', '~/.cache/hsdjax')}"
+
+
+def chi2_pvalue(counts, probs) -> float:
+    """Chi-square goodness of fit of observed counts to probabilities (zero-probability cells must be
+    empty; they are dropped). Probabilities are renormalised in float64."""
+    import numpy as np
+    from scipy import stats
+
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    assert counts[probs <= 0].sum() == 0, "samples where the target has zero probability"
+    keep = probs > 0
+    expected = probs[keep] / probs[keep].sum() * counts[keep].sum()
+    return float(stats.chisquare(counts[keep], expected)[1])
+
+
+def run_engine(cfg, params, prompts, max_new, drafter=None, dparams=(), chunks=None, temperature=0.0, top_k=0,
+               top_p=1.0, seed=0, stop=(), return_state=False):
+    """Drive the engine directly (prefill -> start -> decode in chunks); the new tokens per row."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hsdjax import engine
+    from hsdjax.drafters import ARDrafter
+    from hsdjax.sampling import SamplingParams
+
+    drafter = drafter or ARDrafter()
+    longest = max(len(p) for p in prompts)
+    p_bucket, s_bucket = engine.plan_shapes(cfg, longest, max_new, spare=drafter.spare)
+    b = len(prompts)
+    arr = np.zeros((b, p_bucket), np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, : len(p)] = p
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(b))
+    gen, fwd = engine.prefill(params, jnp.array(arr), jnp.array([len(p) for p in prompts]),
+                              jnp.full((b,), max_new, jnp.int32), SamplingParams.make(b, temperature, top_k, top_p),
+                              keys, engine.stop_array(stop), cfg=cfg, cache_size=s_bucket, spare=drafter.spare)
+    state = engine.start_decoding(dparams, gen, fwd, drafter=drafter)
+    for steps in chunks or [max_new]:
+        state = engine.decode(params, dparams, state, jnp.int32(steps), cfg=cfg, drafter=drafter)
+    seq, start, end = (np.asarray(a) for a in (state.gen.seq, state.gen.prompt_len, state.gen.seq_len))
+    rows = [seq[i, start[i]: end[i]].tolist() for i in range(b)]
+    return (rows, state) if return_state else rows

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from hsdjax import engine
 from hsdjax.model import Transformer, causal_mask
 from hsdjax.sampling import SamplingParams, adjust_logits, select_tokens, target_probs
+from tests.conftest import chi2_pvalue, run_engine
 
 
 def naive_greedy(cfg, params, prompt, n):
@@ -31,21 +31,7 @@ def naive_greedy(cfg, params, prompt, n):
     return seq[len(prompt):].tolist()
 
 
-def run(cfg, params, prompts, max_new, chunks=None, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=()):
-    longest = max(len(p) for p in prompts)
-    p_bucket, s_bucket = engine.plan_shapes(cfg, longest, max_new)
-    b = len(prompts)
-    arr = np.zeros((b, p_bucket), np.int32)
-    for i, p in enumerate(prompts):
-        arr[i, : len(p)] = p
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(b))
-    state, _ = engine.prefill(params, jnp.array(arr), jnp.array([len(p) for p in prompts]),
-                              jnp.full((b,), max_new, jnp.int32), SamplingParams.make(b, temperature, top_k, top_p),
-                              keys, engine.stop_array(stop), cfg=cfg, cache_size=s_bucket)
-    for steps in chunks or [max_new]:
-        state = engine.decode(params, state, jnp.int32(steps), cfg=cfg)
-    seq, start, end = np.asarray(state.seq), np.asarray(state.prompt_len), np.asarray(state.seq_len)
-    return [seq[i, start[i]: end[i]].tolist() for i in range(b)]
+run = run_engine
 
 
 def test_greedy_equals_naive_loop(tiny):
@@ -125,11 +111,7 @@ def test_select_tokens_samples_target_distribution():
     keys = jax.random.split(jax.random.PRNGKey(0), n)
     draws = jax.vmap(lambda k: select_tokens(logits, sp, k[None])[0])(keys)
     counts = np.bincount(np.asarray(draws), minlength=12)
-    probs = np.asarray(target_probs(logits, sp))[0]
-    assert counts[probs == 0].sum() == 0
-    keep = probs > 0
-    _, p_value = stats.chisquare(counts[keep], probs[keep] * n)
-    assert p_value > 1e-3
+    assert chi2_pvalue(counts, np.asarray(target_probs(logits, sp))[0]) > 1e-3
 
 
 def test_greedy_rows_ignore_sampling_path():
