@@ -20,6 +20,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.config import ModelConfig
+from hsdjax.kernels.tree_attention import attention_backend, tree_attention
 
 NEG_INF = -1e30
 
@@ -111,9 +112,10 @@ def attention(
     new_v: Float[Array, "B T K D"],
     new_mask: Bool[Array, "B T T"],
 ) -> Float[Array, "B T H D"]:
-    """Masked GQA attention of new queries over (cached prefix, new tokens); the jnp reference path.
+    """Masked GQA attention of new queries over (cached prefix, new tokens); the jnp path.
 
-    One softmax spans both parts. Every query must be allowed to see at least itself.
+    One softmax spans both parts. Every query must be allowed to see at least itself. On GPU/TPU the
+    Pallas kernel ``hsdjax.kernels.tree_attention`` computes the same thing (tested against this).
     """
     b, t, h, d = q.shape
     kh = new_k.shape[2]
@@ -150,7 +152,7 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cache_k, cache_v, cos, sin, cache_valid, new_mask):
+    def __call__(self, x, cache_k, cache_v, cos, sin, cache_len, new_mask):
         cfg = self.cfg
         e, d = cfg.hidden_size, cfg.head_dim
         hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -169,7 +171,11 @@ class Block(nn.Module):
         q = apply_rope(q.reshape(b, t, cfg.num_heads, d), cos, sin)
         k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), cos, sin)
         v = v.reshape(b, t, cfg.num_kv_heads, d)
-        attn = attention(q, cache_k, cache_v, cache_valid, k, v, new_mask)
+        if cache_k is not None and attention_backend() == "pallas":
+            attn = tree_attention(q, cache_k, cache_v, cache_len, k, v, new_mask)
+        else:
+            valid = None if cache_k is None else jnp.arange(cache_k.shape[2])[None, :] < cache_len[:, None]
+            attn = attention(q, cache_k, cache_v, valid, k, v, new_mask)
         x = x + attn.reshape(b, t, hq) @ p("wo", (hq, e))
 
         h = rms_norm(x, p("mlp_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
@@ -218,18 +224,17 @@ class Transformer(nn.Module):
         x = jnp.take(self.embed, tokens, axis=0).astype(dt)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         if cache is None:
-            cache_k = cache_v = cache_valid = None
+            cache_k = cache_v = cache_len = None
         else:
-            cache_k, cache_v = cache.k, cache.v
-            cache_valid = jnp.arange(cache.size)[None, :] < cache.length[:, None]
+            cache_k, cache_v, cache_len = cache.k, cache.v, cache.length
         if cfg.scan_layers:
-            out, (k, v, layer_inputs) = self.layers(x, cache_k, cache_v, cos, sin, cache_valid, new_mask)
+            out, (k, v, layer_inputs) = self.layers(x, cache_k, cache_v, cos, sin, cache_len, new_mask)
         else:
             out, per_layer = x, []
             for i, block in enumerate(self.blocks):
                 layer_k = None if cache is None else cache_k[i]
                 layer_v = None if cache is None else cache_v[i]
-                out, kv = block(out, layer_k, layer_v, cos, sin, cache_valid, new_mask)
+                out, kv = block(out, layer_k, layer_v, cos, sin, cache_len, new_mask)
                 per_layer.append(kv)
             k, v, layer_inputs = (jnp.stack(parts) for parts in zip(*per_layer))
         return {
