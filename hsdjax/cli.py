@@ -14,7 +14,9 @@ from typing import Any, Sequence
 
 from hsdjax.errors import HsdjaxError
 
-DEMO_PROMPT = "In three sentences, explain why the sky is blue."
+DEMO_PROMPT = ("Here is a Python function:\n\ndef mean(values):\n    total = 0\n    for v in values:\n"
+               "        total += v\n    return total / len(values)\n\n"
+               "Rewrite it with type hints and a docstring, and explain the change in one sentence.")
 
 
 def _positive_int(text: str) -> int:
@@ -56,7 +58,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="registered model name (see `hsdjax models`), a .gguf file, or a HF folder "
                         "(default: smollm2-135m)")
-    p.add_argument("--method", default="ar", help="decoding method (default: ar)")
+    p.add_argument("--method", default="ar", help="decoding method: ar, pld, sps (default: ar)")
+    p.add_argument("--draft-model", default=None,
+                   help="sps: the draft LM (default: the registry's draft model for --model)")
+    p.add_argument("--depth", type=_positive_int, default=None, help="speculative: draft depth (tokens per guess)")
+    p.add_argument("--width", type=_positive_int, default=None, help="pld: candidate continuations per round")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
 
@@ -101,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="generate a short chat answer with the default model and show tokens/s")
     _add_model_args(d)
-    d.add_argument("--max-new-tokens", type=_positive_int, default=96)
+    d.add_argument("--max-new-tokens", type=_positive_int, default=128)
     d.add_argument("--prompt", default=DEMO_PROMPT)
+    d.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per method (best is shown)")
     return parser
 
 
@@ -115,7 +122,7 @@ def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
 
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, progress=not quiet)
-    gen = Generator(model, method=args.method)
+    gen = Generator(model, method=args.method, **_method_options(args))
     if not quiet:
         cached = "cached weights" if model.timings.get("cached") else "converted and cached weights"
         _log(f"loaded {model.name} ({model.cfg.family}, {model.cfg.num_params() / 1e6:.0f}M params, "
@@ -123,15 +130,19 @@ def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
     return gen
 
 
+def _method_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("draft_model", "depth", "width") if getattr(args, k, None) is not None}
+
+
 def _read_prompt(text: str) -> str:
     return sys.stdin.read() if text == "-" else text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    gen = _load(args, quiet=args.json)
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise HsdjaxError("the prompt is empty")
+    gen = _load(args, quiet=args.json)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, chat=not args.raw, system=args.system)
     if args.stream and not args.json:
@@ -152,8 +163,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _speed_line(result: Any) -> str:
     r = result.to_json()
-    return (f"[{r['new_tokens']} tokens, {r['tokens_per_s']} tok/s end to end, decode "
-            f"{r['decode_tokens_per_s']} tok/s, prefill {r['prefill_s']:.3f}s, compile {r['compile_s']:.1f}s]")
+    spec = f", {r['mean_accepted_length']} tokens/pass" if r.get("method") != "ar" else ""
+    return (f"[{r['method']}: {r['new_tokens']} tokens, {r['tokens_per_s']} tok/s end to end, decode "
+            f"{r['decode_tokens_per_s']} tok/s{spec}, prefill {r['prefill_s']:.3f}s, compile {r['compile_s']:.1f}s]")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -229,13 +241,31 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    gen = _load(args)
-    _log(f"prompt: {args.prompt}")
-    gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)  # compile + warm up
-    result = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)[0]
-    print(result.text)
-    _log(_speed_line(result))
-    return 0
+    """Plain decoding and a speculative method side by side on one chat prompt, with the check that
+    the greedy outputs are identical."""
+    from hsdjax.api import Generator, load_model
+
+    model = load_model(args.model, dtype=args.dtype, progress=True)
+    method = args.method if args.method != "ar" else "pld"
+    _log(f"model {model.name}; prompt: {args.prompt!r}")
+    runs = {}
+    for name in ("ar", method):
+        gen = Generator(model, method=name, **(_method_options(args) if name == method else {}))
+        first = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)[0]  # compiles
+        timed = [gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)[0] for _ in range(args.repeats)]
+        best = max(timed, key=lambda r: r.to_json()["decode_tokens_per_s"] or 0)
+        runs[name] = (first, best)
+        _log(f"compiled {name} in {first.compile_s:.1f}s")
+    text = runs["ar"][1].text
+    print(text)
+    print()
+    for name, (_, r) in runs.items():
+        print(_speed_line(r))
+    same = runs["ar"][1].tokens == runs[method][1].tokens
+    speedup = runs[method][1].to_json()["decode_tokens_per_s"] / runs["ar"][1].to_json()["decode_tokens_per_s"]
+    print(f"{method} vs ar: {speedup:.2f}x decode tokens/s (best of {args.repeats}); "
+          f"greedy outputs identical: {'yes' if same else 'NO'}")
+    return 0 if same else 1
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "demo": cmd_demo}
