@@ -1,6 +1,6 @@
 """Subprocess worker of ``benchmarks/ar_vs_transformers.py``: one transformers model, greedy ``generate`` on request.
 
-    python benchmarks/_hf_worker.py MODEL --dtype bfloat16 --threads 2 --eos 2,0
+    python benchmarks/_hf_worker.py MODEL --dtype bfloat16 --threads 2 --eos 2,0 [--assistant DRAFT | --prompt-lookup N]
 
 MODEL is what hsdjax accepts (a registered name, a ``.gguf`` file, or a Hugging Face folder); a GGUF is
 loaded with transformers' own GGUF reader, so the weights are the same dequantized values hsdjax uses.
@@ -63,7 +63,7 @@ class _Stamps:
         pass
 
 
-def generate(model: Any, ids: list[int], max_new_tokens: int, eos: list[int]) -> dict[str, Any]:
+def generate(model: Any, ids: list[int], max_new_tokens: int, eos: list[int], **extra: Any) -> dict[str, Any]:
     import torch
 
     prompt = torch.tensor([ids])
@@ -72,9 +72,11 @@ def generate(model: Any, ids: list[int], max_new_tokens: int, eos: list[int]) ->
     with torch.inference_mode():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=eos, pad_token_id=eos[0], use_cache=True,
-                             streamer=stamps)
+                             streamer=None if extra else stamps, **extra)
     total_s = time.perf_counter() - t0
-    return {"tokens": out[0, len(ids):].tolist(), "prefill_s": stamps.times[1] - t0, "total_s": total_s}
+    # transformers refuses a streamer with assisted / prompt-lookup decoding: no prefill split there
+    prefill_s = stamps.times[1] - t0 if len(stamps.times) > 1 else 0.0
+    return {"tokens": out[0, len(ids):].tolist(), "prefill_s": prefill_s, "total_s": total_s}
 
 
 def main() -> None:
@@ -83,12 +85,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--eos", required=True, help="comma-separated stop token ids")
+    parser.add_argument("--assistant", default=None, help="assisted generation with this draft model")
+    parser.add_argument("--prompt-lookup", type=int, default=0, help="prompt lookup decoding: tokens per guess")
     args = parser.parse_args()
     eos = [int(i) for i in args.eos.split(",")]
     channel = _protocol_channel()
 
     t0 = time.perf_counter()
     model = load(args.model, args.dtype, args.threads)
+    extra: dict[str, Any] = {}
+    if args.assistant:
+        extra["assistant_model"] = load(args.assistant, args.dtype, args.threads)
+    if args.prompt_lookup:
+        extra["prompt_lookup_num_tokens"] = args.prompt_lookup
     import torch
     import transformers
 
@@ -97,7 +106,7 @@ def main() -> None:
     channel.write(json.dumps(info) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
-        answer = generate(model, request["ids"], request["max_new_tokens"], eos)
+        answer = generate(model, request["ids"], request["max_new_tokens"], eos, **extra)
         channel.write(json.dumps(answer) + "\n")
 
 

@@ -117,11 +117,12 @@ class HsdjaxEngine:
 class TransformersEngine:
     """transformers ``generate`` in a ``_hf_worker.py`` subprocess (started at once; see ``wait_ready``)."""
 
-    def __init__(self, model: str, dtype: str, threads: int, eos: Sequence[int]):
-        self.name, self.dtype = "transformers", dtype
+    def __init__(self, model: str, dtype: str, threads: int, eos: Sequence[int], name: str = "transformers",
+                 extra_args: Sequence[str] = ()):
+        self.name, self.dtype = name, dtype
         self.log = tempfile.TemporaryFile("w+")
         cmd = [sys.executable, str(WORKER), model, "--dtype", dtype, "--threads", str(threads),
-               "--eos", ",".join(map(str, eos))]
+               "--eos", ",".join(map(str, eos)), *extra_args]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, bufsize=1)
         self.info: dict[str, Any] = {}
