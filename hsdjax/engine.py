@@ -27,9 +27,9 @@ from hsdjax.config import ModelConfig
 from hsdjax.errors import HsdjaxError
 from hsdjax.model import KVCache, Transformer, causal_mask, commit, init_cache
 from hsdjax.sampling import SamplingParams, select_tokens
-from hsdjax.tree import ancestor_mask
+from hsdjax.tree import DraftTree, ancestor_mask, compact
 from hsdjax.tree import positions as tree_positions
-from hsdjax.verify import verify_chain_sampled, verify_tree
+from hsdjax.verify import Verdict, verify_chain_sampled, verify_tree
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 CACHE_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -186,30 +186,55 @@ def append_tokens(gen: GenState, cache: KVCache, tokens: Int[Array, "B P"], coun
     return gen.replace(done=gen.done | (active & ended)), n
 
 
-def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: ModelConfig,
-               drafter: Any) -> DecodeState:
-    """One round for every row: draft a tree, verify it in one target pass, accept, compact the
-    cache to the accepted path, append the new tokens, let the drafter observe the result."""
+def verify_round(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: GenState, tree: DraftTree
+                 ) -> tuple[KVCache, Verdict, Int[Array, "B P"], dict[str, Array]]:
+    """One target pass over the tree: verify, commit the accepted path to the cache.
+
+    Returns the new cache, the verdict, the round's new tokens (``verdict.n_path`` valid per row) and
+    the target's outputs along the accepted path (``hidden`` [B, P, E], ``layers`` [L+1, B, P, E]).
+    """
     model = Transformer(cfg)
-    gen = state.gen
-    tree, draft, draft_passes = drafter.propose(dparams, state.draft, gen)
     mask = ancestor_mask(tree, drafter.max_depth)
     fwd = model.apply({"params": params}, tree.tokens, tree_positions(tree, gen.cache.length), mask, gen.cache)
     logits = model.apply({"params": params}, fwd["hidden"], method=Transformer.logits)
-    keys = step_keys(gen.keys, gen.seq_len)
     verify = verify_chain_sampled if drafter.sampled_chain else verify_tree
-    verdict = verify(logits, tree, gen.sampling, keys, drafter.max_depth)
+    verdict = verify(logits, tree, gen.sampling, step_keys(gen.keys, gen.seq_len), drafter.max_depth)
+    cache = commit(gen.cache, fwd["k"], fwd["v"], verdict.path, jnp.where(gen.done, 0, verdict.n_path))
+    path_states = {
+        "hidden": jnp.take_along_axis(fwd["hidden"], verdict.path[:, :, None], axis=1),
+        "layers": jax.vmap(lambda x: jnp.take_along_axis(x, verdict.path[:, :, None], axis=1))(fwd["layers"]),
+    }
+    return cache, verdict, verdict.emitted(tree), path_states
+
+
+def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: ModelConfig,
+               drafter: Any) -> DecodeState:
+    """One round for every row: draft a tree, verify it in one target pass, accept, compact the
+    cache to the accepted path, append the new tokens, let the drafter observe the result.
+
+    Drafters with ``tiers`` (tree sizes, e.g. (1, 7, 13)) are verified at the smallest tier that
+    holds every row's valid nodes, so a round with few or no drafts costs a small target pass.
+    """
+    gen = state.gen
+    tree, draft, draft_passes = drafter.propose(dparams, state.draft, gen)
+    tiers = tuple(t for t in drafter.tiers if t < tree.num_nodes) + (tree.num_nodes,)
+    if len(tiers) == 1:
+        cache, verdict, emitted, path_states = verify_round(params, cfg, drafter, gen, tree)
+    else:
+        needed = jnp.max(jnp.sum(tree.valid, axis=1))
+        branches = [partial(lambda k, t: verify_round(params, cfg, drafter, gen, compact(t, k)), k) for k in tiers]
+        tier = jnp.searchsorted(jnp.array(tiers), needed)
+        cache, verdict, emitted, path_states = jax.lax.switch(tier, branches, tree)
     active = ~gen.done
-    cache = commit(gen.cache, fwd["k"], fwd["v"], verdict.path, jnp.where(active, verdict.n_path, 0))
-    new_gen, emitted = append_tokens(gen, cache, verdict.emitted(tree), verdict.n_path, drafter.spare)
-    draft = drafter.observe(dparams, draft, gen, new_gen, tree, verdict, fwd)
+    new_gen, n_emitted = append_tokens(gen, cache, emitted, verdict.n_path, drafter.spare)
+    draft = drafter.observe(dparams, draft, gen, new_gen, verdict, path_states)
     on = active.astype(jnp.int32)
     st = state.stats
     stats = RoundStats(
         target_passes=st.target_passes + on,
         draft_passes=st.draft_passes + draft_passes * on,
         tree_nodes=st.tree_nodes + jnp.sum(tree.valid, axis=1) * on,
-        accept_hist=st.accept_hist + jax.nn.one_hot(emitted, st.accept_hist.shape[1], dtype=jnp.int32) * on[:, None],
+        accept_hist=st.accept_hist + jax.nn.one_hot(n_emitted, st.accept_hist.shape[1], dtype=jnp.int32) * on[:, None],
     )
     return DecodeState(gen=new_gen, draft=draft, stats=stats)
 

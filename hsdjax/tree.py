@@ -91,3 +91,17 @@ def ancestor_mask(tree: DraftTree, max_depth: int) -> Bool[Array, "B N N"]:
 def positions(tree: DraftTree, cache_length: Int[Array, " B"]) -> Int[Array, "B N"]:
     """Position ids of the nodes: the root sits right after the cached prefix."""
     return cache_length[:, None] + tree.depth
+
+
+def compact(tree: DraftTree, size: int) -> DraftTree:
+    """The same tree in its first ``size`` slots: valid slots move to the front in order (parents
+    keep pointing at earlier slots). Valid nodes beyond ``size`` are dropped with their subtrees."""
+    order = jnp.argsort(~tree.valid, axis=1, stable=True)  # valid slots first, in their order
+    new_index = jnp.argsort(order, axis=1)  # old slot -> new slot
+    take = lambda a: jnp.take_along_axis(a, order[:, :size], axis=1)  # noqa: E731
+    parents = take(tree.parents)
+    parents = jnp.where(parents >= 0, jnp.take_along_axis(new_index, jnp.maximum(parents, 0), axis=1), -1)
+    valid = take(tree.valid) & ((parents < size) | (parents < 0))
+    keep_tree = DraftTree(tokens=take(tree.tokens), parents=jnp.where(valid, parents, -1), depth=take(tree.depth),
+                          valid=valid)
+    return keep_tree

@@ -174,3 +174,16 @@ def test_tree_rule_first_tokens_follow_target(temperature, top_p):
         jax.random.split(jax.random.PRNGKey(1), n))
     probs = np.asarray(target_probs(logits[:, 0], sp))[0]
     assert chi2_pvalue(np.bincount(np.asarray(verdicts), minlength=v), probs) > 1e-3
+
+
+@settings(max_examples=30, deadline=None)
+@given(chains_strategy)
+def test_compact_keeps_the_tree(data):
+    from hsdjax.tree import compact
+
+    chains, lengths = data
+    tree = chains_to_tree(jnp.array([3]), jnp.array([chains]), jnp.array([lengths]))
+    count = int(jnp.sum(tree.valid))
+    small = compact(tree, count)
+    assert small.num_nodes == count and bool(jnp.all(small.valid))
+    assert paths_of(small) == paths_of(tree)

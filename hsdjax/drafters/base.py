@@ -7,11 +7,11 @@ LM weights, a trained drafter's params) is passed separately as ``dparams``; its
 
     init_state(dparams, gen, prompt_fwd) -> state
     propose(dparams, state, gen) -> (tree, state, passes)
-    observe(dparams, state, gen_before, gen_after, tree, verdict, target_fwd) -> state
+    observe(dparams, state, gen_before, gen_after, verdict, path_states) -> state
 
 ``propose`` returns a ``DraftTree`` whose root is the newest token and the number of drafter forward
-passes it spent per row; ``observe`` sees the verdict and the target's forward outputs for every
-tree node (hidden states of the accepted path included), so feature drafters can update.
+passes it spent per row; ``observe`` sees the verdict and the target's hidden states along the
+accepted path, so feature drafters can extend their context.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Drafter(abc.ABC):
     num_nodes: int = 1
     max_depth: int = 0
     sampled_chain: bool = False  # tokens sampled from q_probs: verify with the min(1, p/q) rule
+    tiers: tuple[int, ...] = ()  # smaller tree sizes to verify at when few nodes are valid
 
     @property
     def spare(self) -> int:
@@ -47,8 +48,10 @@ class Drafter(abc.ABC):
     def propose(self, dparams: Any, state: Any, gen: Any) -> tuple[DraftTree, Any, Int[Array, " B"]]:
         """The next tree (root = ``gen.last_token()``), the new state, drafter passes per row."""
 
-    def observe(self, dparams: Any, state: Any, gen_before: Any, gen_after: Any, tree: DraftTree,
-                verdict: Any, target_fwd: dict[str, Array]) -> Any:
+    def observe(self, dparams: Any, state: Any, gen_before: Any, gen_after: Any, verdict: Any,
+                path_states: dict[str, Array]) -> Any:
+        """Update after verification. ``path_states`` holds the target's outputs at the accepted
+        path's nodes (root first): ``hidden`` [B, P, E] (final-normed) and ``layers`` [L+1, B, P, E]."""
         return state
 
 

@@ -29,6 +29,8 @@ class PromptLookupDrafter(Drafter):
     def __post_init__(self):
         object.__setattr__(self, "num_nodes", 1 + self.width * self.depth)
         object.__setattr__(self, "max_depth", self.depth)
+        # no match: verify the root alone; one chain's worth: a chain-sized pass
+        object.__setattr__(self, "tiers", (1, 1 + self.depth))
 
     def propose(self, dparams, state, gen):
         seq, length = gen.seq, gen.seq_len

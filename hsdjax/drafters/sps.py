@@ -82,7 +82,7 @@ class DraftLMDrafter(Drafter):
         tree = chain(gen.last_token(), jnp.stack(drafts, axis=1), q_probs=jnp.stack(qs, axis=1))
         return tree, DraftLMState(cache=cache), jnp.full((b,), self.depth, jnp.int32)
 
-    def observe(self, dparams, state, gen_before, gen_after, tree, verdict, target_fwd):
+    def observe(self, dparams, state, gen_before, gen_after, verdict, path_states):
         # The draft cache holds the verified prefix and drafts 1..depth-1; keep the accepted ones.
         kept = gen_before.seq_len + jnp.minimum(verdict.n_path - 1, self.depth - 1)
         length = jnp.where(gen_before.done, state.cache.length, jnp.minimum(kept, gen_after.seq_len))
