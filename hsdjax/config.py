@@ -65,8 +65,10 @@ class ModelConfig:
         return self.vocab_size * e + l * per_layer + e + head
 
 
-def config_from_gguf_fields(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    """Build a ModelConfig from GGUF metadata (already decoded to Python values)."""
+def config_from_gguf_fields(fields: dict[str, Any], tensor_names: set[str], vocab_size: int | None = None
+                            ) -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata (already decoded to Python values); ``vocab_size`` from
+    the embedding tensor's shape when known."""
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_FAMILIES:
         raise HsdjaxError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
@@ -79,7 +81,9 @@ def config_from_gguf_fields(fields: dict[str, Any], tensor_names: set[str]) -> M
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or [])
+    vocab = vocab_size or fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or [])
+    if not vocab:
+        raise HsdjaxError("GGUF file does not say its vocabulary size")
     head_dim = int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count") or hidden // heads)
     return ModelConfig(
         family=arch,

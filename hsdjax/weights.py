@@ -130,7 +130,10 @@ def convert_gguf(path: Path, progress: bool = False) -> tuple[ModelConfig, Param
     except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
         raise HsdjaxError(f"{path}: not a readable GGUF file ({exc})") from None
     tensors = {t.name: t for t in reader.tensors}
-    cfg = config_from_gguf_fields(read_gguf_fields(reader), set(tensors))
+    if "token_embd.weight" not in tensors:
+        raise HsdjaxError(f"{path}: no token_embd.weight tensor")
+    vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes list the fastest axis first
+    cfg = config_from_gguf_fields(read_gguf_fields(reader), set(tensors), vocab)
 
     def load(name: str) -> np.ndarray:
         t = tensors[name]

@@ -189,3 +189,35 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm, smollm_hf):
     hf_tokens = hf_out[0, len(prompt):].tolist()
     assert result.tokens == hf_tokens[: len(result.tokens)]
     assert len(result.tokens) == len(hf_tokens)
+
+
+@pytest.mark.slow
+def test_qwen_coder_05b_matches_transformers():
+    """Qwen2 family on real weights (q/k/v bias, untied head): logits on a 64-token prompt and 64
+    greedy tokens equal transformers' on the same GGUF. Needs `hsdjax models pull qwen2.5-coder-0.5b`."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from hsdjax import registry
+    from hsdjax.api import Generator, load_model
+
+    if not registry.is_installed("qwen2.5-coder-0.5b"):
+        pytest.skip("qwen2.5-coder-0.5b is not installed (hsdjax models pull qwen2.5-coder-0.5b)")
+    model = load_model("qwen2.5-coder-0.5b")
+    path = model.source.path
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    ids = model.tokenizer.encode_chat([{"role": "user", "content": "Write a Python function that checks "
+                                        "whether a string is a palindrome, ignoring case and spaces."}])
+    ids = (ids * 4)[:64]
+    ours = full_logits(model.cfg, model.params, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    diff = float(np.abs(ours - ref).max())
+    print(f"Qwen2.5-Coder-0.5B max |logit diff| over 64 tokens: {diff:.2e}")
+    assert diff < 5e-3
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Write a haiku about recursion."}])
+    result = Generator(model).generate(prompt, max_new_tokens=64)[0]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
+                          eos_token_id=list(model.tokenizer.stop_ids), pad_token_id=model.tokenizer.stop_ids[0])
+    assert result.tokens == out[0, len(prompt):].tolist()
