@@ -128,7 +128,7 @@ class GenerationResult:
             "tokens_per_s": round(self.new_tokens / seconds, 3) if seconds > 0 else None,
             "decode_tokens_per_s": round(self.new_tokens / self.decode_s, 3) if self.decode_s > 0 else None,
             "compile_s": round(self.compile_s, 3),
-            **self.stats,
+            **{k: v for k, v in self.stats.items() if k != "accept_lengths"},
         }
 
 
@@ -300,6 +300,7 @@ class Generator:
                     "target_passes": passes, "draft_steps": int(st.draft_passes[i]),
                     "mean_tree_nodes": round(int(st.tree_nodes[i]) / passes, 3) if passes else None,
                     "accept_hist": hist,
+                    "accept_lengths": st.round_log[i, :passes].tolist(),
                 },
             ))
         return results

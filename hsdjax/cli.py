@@ -19,16 +19,23 @@ DEMO_PROMPT = ("Here is a Python function:\n\ndef mean(values):\n    total = 0\n
                "Rewrite it with type hints and a docstring, and explain the change in one sentence.")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    if value > 1_000_000:
-        raise argparse.ArgumentTypeError(f"{value} is absurdly large")
-    return value
+def _int_at_least(lo: int, hi: int = 1_000_000):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"{value} is absurdly large (at most {hi})")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _float_in(lo: float, hi: float, lo_open: bool = False):
@@ -42,16 +49,6 @@ def _float_in(lo: float, hi: float, lo_open: bool = False):
         return value
 
     return parse
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +101,35 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name")
     info = msub.add_parser("info", help="show a model's configuration and load times")
     info.add_argument("name")
+
+    b = sub.add_parser("bench", help="Spec-Bench-compatible benchmark of methods and peers",
+                       description="Run methods (and peers: hf-ar, hf-assisted, hf-pld, llamacpp) on Spec-Bench "
+                                   "question files; writes answers/, report.md, report.json and plots to --out. "
+                                   "A killed run resumes.")
+    b.add_argument("--model", default=None, help="model name, .gguf file or HF folder (default: smollm2-135m)")
+    b.add_argument("--methods", default="ar,pld", help="comma-separated methods and peers (default: ar,pld)")
+    b.add_argument("--questions", action="append", required=True, help="question file (.jsonl); repeatable")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    b.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.0)
+    b.add_argument("--limit", type=_positive_int, default=None, help="first N questions of each file")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", required=True, help="output folder")
+    b.add_argument("--draft-model", default=None)
+    b.add_argument("--depth", type=_positive_int, default=None)
+    b.add_argument("--width", type=_positive_int, default=None)
+
+    t = sub.add_parser("tune", help="choose the draft tree size for this device (cost vs acceptance)",
+                       description="Measure verification cost against tree size and the method's acceptance on "
+                                   "a few questions; print the tree size with the best expected tokens/s; "
+                                   "--write makes it the default for this model, method and device.")
+    t.add_argument("--model", default=None)
+    t.add_argument("--method", default="pld", choices=("pld", "sps"))
+    t.add_argument("--questions", action="append", required=True)
+    t.add_argument("--limit", type=_positive_int, default=4)
+    t.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    t.add_argument("--max-depth", type=_positive_int, default=8)
+    t.add_argument("--draft-model", default=None)
+    t.add_argument("--write", action="store_true")
 
     d = sub.add_parser("demo", help="generate a short chat answer with the default model and show tokens/s")
     _add_model_args(d)
@@ -268,7 +294,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "demo": cmd_demo}
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hsdjax.bench import run_bench
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    report = run_bench(args.model, methods, args.questions, args.out, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, limit=args.limit, seed=args.seed,
+                       method_options=_method_options(args))
+    from pathlib import Path
+
+    print(Path(args.out, "report.md").read_text())
+    for note in report["meta"]["notes"]:
+        _log(note)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from hsdjax.tune import tune
+
+    r = tune(args.model, args.method, args.questions, limit=args.limit, max_new_tokens=args.max_new_tokens,
+             max_depth=args.max_depth, draft_model=args.draft_model, write=args.write)
+    print(f"verification pass cost on {r['backend']} ({r['model']}), relative to one token:")
+    base = r["pass_cost_s"][1]
+    print("  " + "  ".join(f"N={n}: {c / base:.2f}x" for n, c in r["pass_cost_s"].items()))
+    print(f"{'width':>5} {'depth':>5} {'nodes':>5} {'tokens/pass':>11} {'vs ar':>6}")
+    for c in sorted(r["candidates"], key=lambda c: -c["tokens_per_s"])[:8]:
+        print(f"{c['width']:>5} {c['depth']:>5} {c['nodes']:>5} {c['tokens_per_pass']:>11.2f} "
+              f"{c['tokens_per_s'] * base:>5.2f}x")
+    b = r["best"]
+    print(f"best: width {b['width']}, depth {b['depth']} (expected {b['tokens_per_s'] * base:.2f}x plain decoding)")
+    if r.get("written"):
+        print(f"written to {r['written']}")
+    return 0
+
+
+COMMANDS = {"bench": cmd_bench, "tune": cmd_tune, "generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "demo": cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

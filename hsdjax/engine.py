@@ -149,11 +149,12 @@ class RoundStats:
     draft_passes: Int[Array, " B"]  # drafter forward passes (its layer stack called once)
     tree_nodes: Int[Array, " B"]  # valid tree nodes verified, root included
     accept_hist: Int[Array, "B P"]  # accept_hist[b, k]: rounds that emitted k new tokens
+    round_log: Int[Array, "B R"]  # round_log[b, r]: tokens emitted by round r (R = sequence buffer size)
 
     @classmethod
-    def zeros(cls, batch: int, max_depth: int) -> "RoundStats":
+    def zeros(cls, batch: int, max_depth: int, max_rounds: int) -> "RoundStats":
         z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32))
+        return cls(z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32), jnp.zeros((batch, max_rounds), jnp.int8))
 
 
 @struct.dataclass
@@ -207,6 +208,13 @@ def verify_round(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: Ge
     return cache, verdict, verdict.emitted(tree), path_states
 
 
+def _log_round(log: Int[Array, "B R"], index: Int[Array, " B"], value: Int[Array, " B"],
+               active: Bool[Array, " B"]) -> Int[Array, "B R"]:
+    rows = jnp.arange(log.shape[0])
+    slot = jnp.minimum(index, log.shape[1] - 1)
+    return log.at[rows, slot].set(jnp.where(active, value, log[rows, slot]).astype(log.dtype))
+
+
 def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: ModelConfig,
                drafter: Any) -> DecodeState:
     """One round for every row: draft a tree, verify it in one target pass, accept, compact the
@@ -235,6 +243,7 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
         draft_passes=st.draft_passes + draft_passes * on,
         tree_nodes=st.tree_nodes + jnp.sum(tree.valid, axis=1) * on,
         accept_hist=st.accept_hist + jax.nn.one_hot(n_emitted, st.accept_hist.shape[1], dtype=jnp.int32) * on[:, None],
+        round_log=_log_round(st.round_log, st.target_passes, n_emitted, active),
     )
     return DecodeState(gen=new_gen, draft=draft, stats=stats)
 
@@ -244,7 +253,7 @@ def start_decoding(dparams: Any, gen: GenState, prompt_fwd: dict[str, Array], *,
     """Initial drafter state (e.g. the draft model's own prefill) and zeroed statistics."""
     b = gen.seq_len.shape[0]
     return DecodeState(gen=gen, draft=drafter.init_state(dparams, gen, prompt_fwd),
-                       stats=RoundStats.zeros(b, drafter.max_depth))
+                       stats=RoundStats.zeros(b, drafter.max_depth, gen.seq.shape[1]))
 
 
 @partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("state",))
@@ -265,3 +274,53 @@ def decode(params: dict[str, Any], dparams: Any, state: DecodeState, max_rounds:
 
     _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     return state
+
+
+def _row_axis(path: tuple[Any, ...], leaf: Any) -> int | None:
+    """The batch axis of a ``DecodeState`` leaf: 1 for stacked KV-cache keys/values [L, B, K, S, D],
+    None for the shared ``stop_ids``, 0 for everything else (the drafter-state convention)."""
+    names = [getattr(p, "name", None) for p in path]
+    if names and names[-1] == "stop_ids":
+        return None
+    if any(n in ("k", "v") for n in names) and getattr(leaf, "ndim", 0) == 5:
+        return 1
+    return 0
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def insert_rows(state: DecodeState, new: DecodeState, slots: Int[Array, " N"]) -> DecodeState:
+    """Write the N rows of ``new`` into rows ``slots`` of the running ``state`` (continuous batching).
+
+    Both states must have the same cache size (and drafter); ``new`` may have any batch size N. A
+    slot index out of range (e.g. B) drops that row, so padded prefill batches can be inserted as is.
+    Every leaf is indexed on its batch axis (axis 0, or 1 for stacked KV caches); ``stop_ids`` is
+    shared and kept from ``state``.
+    """
+
+    def put(path, old, upd):
+        axis = _row_axis(path, old)
+        if axis is None:
+            return old
+        if old.shape[:axis] + old.shape[axis + 1:] != upd.shape[:axis] + upd.shape[axis + 1:]:
+            raise HsdjaxError(f"insert_rows: leaf {jax.tree_util.keystr(path)} has shape {upd.shape}, "
+                              f"the running state {old.shape} (cache sizes must match)")
+        index = (slice(None),) * axis + (slots,)
+        return old.at[index].set(upd.astype(old.dtype), mode="drop")
+
+    return jax.tree_util.tree_map_with_path(put, state, new)
+
+
+@jax.jit
+def take_rows(state: DecodeState, rows: Int[Array, " N"]) -> DecodeState:
+    """A state of N rows: row i is row ``rows[i]`` of ``state``; an index out of range (e.g. -1) gives a
+    finished (``done``) placeholder row. Grows or shrinks the running batch of continuous batching."""
+    b = state.gen.seq_len.shape[0]
+    valid = (rows >= 0) & (rows < b)
+    idx = jnp.clip(rows, 0, b - 1)
+
+    def take(path, leaf):
+        axis = _row_axis(path, leaf)
+        return leaf if axis is None else jnp.take(leaf, idx, axis=axis)
+
+    out = jax.tree_util.tree_map_with_path(take, state)
+    return out.replace(gen=out.gen.replace(done=out.gen.done | ~valid))

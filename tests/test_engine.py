@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from hsdjax import engine
-from hsdjax.model import Transformer, causal_mask
+from hsdjax.model import Transformer, causal_mask, init_params
 from hsdjax.sampling import SamplingParams, adjust_logits, select_tokens, target_probs
-from tests.conftest import chi2_pvalue, run_engine
+from tests.conftest import TINY_LLAMA, chi2_pvalue, run_engine
+
+TINY_LLAMA_LONG = TINY_LLAMA.replace(max_context=8192)
 
 
 def naive_greedy(cfg, params, prompt, n):
@@ -121,3 +123,12 @@ def test_greedy_rows_ignore_sampling_path():
     assert int(select_tokens(logits, sp, keys)[0]) == int(jnp.argmax(logits[0]))
     adjusted = adjust_logits(logits, sp)
     assert bool(jnp.all(jnp.isfinite(adjusted[1])))
+
+
+def test_long_prompt_over_2000_tokens():
+    """A 2,100-token prompt lands in the 4,096 buckets and decodes like the uncached reference."""
+    cfg = TINY_LLAMA_LONG
+    params = init_params(cfg, seed=5)
+    prompt = list(np.random.RandomState(8).randint(0, cfg.vocab_size, 2100))
+    assert engine.plan_shapes(cfg, len(prompt), 6) == (4096, 4096)
+    assert run(cfg, params, [prompt], 6)[0] == naive_greedy(cfg, params, prompt, 6)

@@ -20,6 +20,10 @@ def make_drafter(method: str, model: Any, *, draft_model: str | None = None, dep
     if method not in METHODS:
         raise HsdjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     opts = dict(DEFAULTS.get(method, {}))
+    if depth is None and width is None and method in DEFAULTS:  # a setting written by `hsdjax tune`
+        from hsdjax.tune import load_tuned
+
+        opts.update(load_tuned(model.fingerprint, method))
     for key, value in (("depth", depth), ("width", width)):
         if value is not None:
             if value < 1 or value > 64:

@@ -1,0 +1,391 @@
+"""``hsdjax bench``: the Spec-Bench-compatible benchmark harness.
+
+Reads Spec-Bench question files, runs every method (and the external peers) on every question,
+turn by turn with the model's chat template (a method's own answer to turn 1 is part of its turn-2
+prompt), and writes:
+
+* ``OUT/answers/<method>.jsonl`` -- Spec-Bench answer files (one line per question, sorted by
+  ``question_id``, no duplicates after a resume), readable by Spec-Bench's ``speed.py`` / ``equal.py``;
+  ``wall_time`` per turn is prefill + decode seconds, compilation excluded;
+* ``OUT/raw/<method>.jsonl`` -- token ids and engine counters per turn (what resume and the report use);
+* ``OUT/report.md``, ``OUT/report.json`` and PNG plots (speed-up per category, accepted-length histogram,
+  per-depth acceptance).
+
+Arithmetic as in Spec-Bench: a question's speed is its new tokens over its wall time (all turns); a
+method's speed is the mean over questions; speed-up is the ratio of those means against ``ar``.
+Methods are compiled before timing and interleaved question by question in a rotating order, so
+machine drift hits every method alike. A killed run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from hsdjax.errors import HsdjaxError
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int
+    category: str
+    turns: tuple[str, ...]
+
+
+def read_questions(path: str | Path) -> list[Question]:
+    """Parse a Spec-Bench question file; a bad line is reported with its number."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise HsdjaxError(f"cannot read question file {path}: {exc.strerror or exc}") from None
+    out, seen = [], set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise HsdjaxError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise HsdjaxError(f"{path}:{n}: expected a JSON object")
+        qid, cat, turns = item.get("question_id"), item.get("category", "default"), item.get("turns")
+        if not isinstance(qid, int) or isinstance(qid, bool):
+            raise HsdjaxError(f"{path}:{n}: 'question_id' must be an integer")
+        if not isinstance(cat, str):
+            raise HsdjaxError(f"{path}:{n}: 'category' must be a string")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise HsdjaxError(f"{path}:{n}: 'turns' must be a non-empty list of non-empty strings")
+        if qid in seen:
+            raise HsdjaxError(f"{path}:{n}: duplicate question_id {qid}")
+        seen.add(qid)
+        out.append(Question(qid, cat, tuple(turns)))
+    if not out:
+        raise HsdjaxError(f"{path}: no questions")
+    return out
+
+
+@dataclass
+class Turn:
+    text: str
+    tokens: list[int]
+    wall_time: float  # prefill + decode seconds
+    accept_lengths: list[int]
+    target_passes: int = 0
+    draft_steps: int = 0
+
+
+class LocalMethod:
+    """One hsdjax method on the loaded model."""
+
+    external = False
+
+    def __init__(self, gen: Any):
+        self.gen, self.name = gen, gen.method
+
+    def turn(self, messages: list[dict[str, str]], max_new: int, temperature: float, seed: int) -> Turn:
+        r = self.gen.generate(messages, max_new_tokens=max_new, temperature=temperature, seed=seed)[0]
+        return Turn(r.text, r.tokens, r.seconds, r.stats["accept_lengths"], r.stats["target_passes"],
+                    r.stats["draft_steps"])
+
+
+class PeerMethod:
+    """An external engine (``hsdjax.peers``) fed the same token ids."""
+
+    external = True
+
+    def __init__(self, peer: Any, tokenizer: Any):
+        self.peer, self.name, self.tokenizer = peer, peer.name, tokenizer
+
+    def turn(self, messages: list[dict[str, str]], max_new: int, temperature: float, seed: int) -> Turn:
+        ids = self.tokenizer.encode_chat(messages)
+        a = self.peer.generate(ids, max_new)
+        toks = a["tokens"]
+        stops = set(self.tokenizer.stop_ids)
+        text = self.tokenizer.decode([t for t in toks if t not in stops], skip_special_tokens=True)
+        return Turn(text, toks, a["total_s"], [])
+
+
+def answer_question(method: Any, q: Question, max_new: int, temperature: float, seed: int) -> list[Turn]:
+    messages: list[dict[str, str]] = []
+    turns = []
+    for i, user in enumerate(q.turns):
+        messages.append({"role": "user", "content": user})
+        t = method.turn(messages, max_new, temperature, seed + 1000 * q.question_id + i)
+        turns.append(t)
+        messages.append({"role": "assistant", "content": t.text})
+    return turns
+
+
+# ------------------------------------------------------------------------------------------- files
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill: that question is simply redone
+    return out
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def answer_record(q: Question, model_id: str, turns: list[Turn]) -> dict[str, Any]:
+    return {
+        "question_id": q.question_id, "category": q.category, "answer_id": uuid.uuid4().hex[:22],
+        "model_id": model_id,
+        "choices": [{"index": 0, "turns": [t.text for t in turns], "new_tokens": [len(t.tokens) for t in turns],
+                     "wall_time": [t.wall_time for t in turns],
+                     "accept_lengths": [a for t in turns for a in t.accept_lengths]}],
+        "tstamp": time.time(),
+    }
+
+
+def raw_record(q: Question, turns: list[Turn]) -> dict[str, Any]:
+    return {"question_id": q.question_id, "category": q.category, "tokens": [t.tokens for t in turns],
+            "wall_time": [t.wall_time for t in turns], "accept_lengths": [t.accept_lengths for t in turns],
+            "target_passes": [t.target_passes for t in turns], "draft_steps": [t.draft_steps for t in turns]}
+
+
+def finalize_answers(path: Path) -> None:
+    """Sort by question_id, keep the newest line per question."""
+    latest: dict[int, dict[str, Any]] = {}
+    for rec in _read_jsonl(path):
+        latest[rec["question_id"]] = rec
+    path.write_text("".join(json.dumps(latest[k]) + "\n" for k in sorted(latest)))
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _speed(rec: dict[str, Any]) -> float:
+    return sum(len(t) for t in rec["tokens"]) / max(sum(rec["wall_time"]), 1e-9)
+
+
+def summarize(raw: dict[str, list[dict[str, Any]]], external: set[str], greedy: bool) -> dict[str, Any]:
+    """Per method, per category and overall: Spec-Bench speed, speed-up, accepted length, counters."""
+    base = {r["question_id"]: r for r in raw.get("ar", [])}
+    categories = sorted({r["category"] for rs in raw.values() for r in rs})
+    out: dict[str, Any] = {}
+    for method, recs in raw.items():
+        rows = {}
+        for cat in [*categories, "overall"]:
+            rs = [r for r in recs if cat == "overall" or r["category"] == cat]
+            if not rs:
+                continue
+            speed = statistics.mean(_speed(r) for r in rs)
+            bs = [base[r["question_id"]] for r in rs if r["question_id"] in base]
+            rounds = [a for r in rs for turn in r["accept_lengths"] for a in turn]
+            tokens = sum(len(t) for r in rs for t in r["tokens"])
+            row = {"questions": len(rs), "tokens_per_s": speed,
+                   "speedup_vs_ar": speed / statistics.mean(_speed(b) for b in bs) if bs else None,
+                   "mean_accepted_length": statistics.mean(rounds) if rounds else None}
+            if method not in external:
+                passes = sum(sum(r["target_passes"]) for r in rs)
+                row["target_passes_per_token"] = passes / tokens if tokens else None
+                row["draft_steps_per_token"] = sum(sum(r["draft_steps"]) for r in rs) / tokens if tokens else None
+            if greedy and bs:
+                row["identical_to_ar"] = all(r["tokens"] == base[r["question_id"]]["tokens"] for r in rs)
+            rows[cat] = row
+        out[method] = {"external": method in external, "by_category": rows}
+    return out
+
+
+def accept_histogram(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[int, int]]:
+    hist: dict[str, dict[int, int]] = {}
+    for method, recs in raw.items():
+        h: dict[int, int] = {}
+        for r in recs:
+            for turn in r["accept_lengths"]:
+                for a in turn:
+                    h[a] = h.get(a, 0) + 1
+        if h:
+            hist[method] = dict(sorted(h.items()))
+    return hist
+
+
+def per_depth_acceptance(hist: dict[int, int]) -> list[float]:
+    """P(at least d drafts accepted | a round), d = 1, 2, ... (a round emits accepted drafts + 1)."""
+    total = sum(hist.values())
+    top = max(hist) if hist else 0
+    return [sum(c for a, c in hist.items() if a >= d + 1) / total for d in range(1, top)]
+
+
+def _fmt(v: Any, spec: str = ".2f", suffix: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    return f"{v:{spec}}{suffix}"
+
+
+def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = [f"# hsdjax bench: {meta['model']}", "",
+             f"{meta['questions']} questions ({', '.join(meta['files'])}), up to {meta['max_new_tokens']} new tokens "
+             f"per turn, temperature {meta['temperature']}, {meta['started']}. Speed: Spec-Bench arithmetic (mean over "
+             "questions of new tokens / wall time; speed-up = ratio of means vs `ar`; compile excluded).", ""]
+    cats = sorted({c for m in summary.values() for c in m["by_category"] if c != "overall"}) + ["overall"]
+    header = ("| method | category | questions | tokens/s | speed-up vs ar | mean accepted length | "
+              "target passes / token | draft steps / token | identical to ar |")
+    lines += [header, "|" + " --- |" * 9]
+    for cat in cats:
+        for method, m in summary.items():
+            row = m["by_category"].get(cat)
+            if not row:
+                continue
+            name = f"{method} (external)" if m["external"] else method
+            lines.append(f"| {name} | {cat} | {row['questions']} | {_fmt(row['tokens_per_s'], '.1f')} | "
+                         f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['mean_accepted_length'])} | "
+                         f"{_fmt(row.get('target_passes_per_token'), '.3f')} | "
+                         f"{_fmt(row.get('draft_steps_per_token'), '.3f')} | {_fmt(row.get('identical_to_ar'))} |")
+    for note in meta.get("notes", []):
+        lines += ["", f"Note: {note}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, int]]) -> list[str]:
+    """PNG plots; returns their file names (none when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    cats = sorted({c for m in summary.values() for c in m["by_category"]})
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * max(1, len(summary)) / 2), 4))
+    width = 0.8 / max(1, len(summary))
+    for i, (method, m) in enumerate(summary.items()):
+        vals = [(m["by_category"].get(c) or {}).get("speedup_vs_ar") or 0 for c in cats]
+        ax.bar([j + i * width for j in range(len(cats))], vals, width, label=method)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + width * (len(summary) - 1) / 2 for j in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel("speed-up over ar")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup_by_category.png", dpi=110)
+    plt.close(fig)
+    written.append("speedup_by_category.png")
+    if hist:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for method, h in hist.items():
+            total = sum(h.values())
+            a1.plot(list(h), [c / total for c in h.values()], marker="o", label=method)
+            depth = per_depth_acceptance(h)
+            if depth:
+                a2.plot(range(1, len(depth) + 1), depth, marker="o", label=method)
+        a1.set_xlabel("tokens per target pass")
+        a1.set_ylabel("share of rounds")
+        a1.legend()
+        a2.set_xlabel("draft depth d")
+        a2.set_ylabel("P(at least d drafts accepted)")
+        a2.legend()
+        fig.tight_layout()
+        fig.savefig(out / "acceptance.png", dpi=110)
+        plt.close(fig)
+        written.append("acceptance.png")
+    return written
+
+
+# --------------------------------------------------------------------------------------------- run
+
+
+def run_bench(model_name: str | None, methods: Sequence[str], question_files: Sequence[str], out: str | Path, *,
+              max_new_tokens: int = 256, temperature: float = 0.0, limit: int | None = None, seed: int = 0,
+              method_options: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) a benchmark; returns the report dict (also written to OUT/report.json)."""
+    from hsdjax.api import Generator, load_model
+    from hsdjax.drafters import METHODS
+    from hsdjax.peers import PEERS, Peer, peer_available
+
+    unknown = [m for m in methods if m not in METHODS and m not in PEERS]
+    if unknown:
+        raise HsdjaxError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}, "
+                          f"peers: {', '.join(PEERS)}")
+    questions = [q for f in question_files for q in read_questions(f)[:limit]]
+    out = Path(out)
+    (out / "answers").mkdir(parents=True, exist_ok=True)
+    (out / "raw").mkdir(exist_ok=True)
+    model = load_model(model_name)
+    notes: list[str] = []
+    methods = list(dict.fromkeys(["ar", *methods]))
+    draft = (method_options or {}).get("draft_model") or (model.source.spec.draft_model if model.source.spec else None)
+    runners: list[Any] = []
+    for m in methods:
+        if m in PEERS:
+            why = peer_available(m)
+            if why is None and m == "hf-assisted" and not draft:
+                why = f"{m} skipped: {model.name} has no draft model of its tokenizer"
+            if why:
+                notes.append(why)
+                continue
+            runners.append(PeerMethod(Peer(m, model.name, model.tokenizer.stop_ids, draft=draft), model.tokenizer))
+        elif m == "sps" and not draft:
+            notes.append(f"sps skipped: {model.name} has no draft model of its tokenizer")
+        else:
+            opts = method_options if m != "ar" else {}
+            runners.append(LocalMethod(Generator(model, m, **{k: v for k, v in (opts or {}).items() if v is not None})))
+    done = {r.name: {rec["question_id"] for rec in _read_jsonl(out / "raw" / f"{r.name}.jsonl")} for r in runners}
+    todo = [(q, r) for i, q in enumerate(questions) for r in _rotate(runners, i) if q.question_id not in done[r.name]]
+    if todo:
+        _warm_up(runners, questions[0], max_new_tokens, temperature, seed)
+    bar = _bar(len(todo), progress)
+    for q, r in todo:
+        bar.set_description(f"{r.name} q{q.question_id}")
+        turns = answer_question(r, q, max_new_tokens, temperature, seed)
+        _append_jsonl(out / "raw" / f"{r.name}.jsonl", raw_record(q, turns))
+        _append_jsonl(out / "answers" / f"{r.name}.jsonl", answer_record(q, f"{model.name}-{r.name}", turns))
+        bar.update(1)
+    bar.close()
+    for r in runners:
+        if isinstance(r, PeerMethod):
+            r.peer.close()
+        finalize_answers(out / "answers" / f"{r.name}.jsonl")
+    wanted = {q.question_id for q in questions}
+    raw = {r.name: sorted((rec for rec in _read_jsonl(out / "raw" / f"{r.name}.jsonl")
+                           if rec["question_id"] in wanted), key=lambda rec: rec["question_id"])
+           for r in runners}
+    raw = {k: list({rec["question_id"]: rec for rec in v}.values()) for k, v in raw.items()}
+    summary = summarize(raw, {r.name for r in runners if r.external}, temperature == 0)
+    hist = accept_histogram(raw)
+    meta = {"model": model.name, "questions": len(questions), "files": [Path(f).name for f in question_files],
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "notes": notes,
+            "started": time.strftime("%Y-%m-%d %H:%M")}
+    report = {"meta": meta, "summary": summary, "accept_histogram": hist,
+              "per_depth_acceptance": {m: per_depth_acceptance(h) for m, h in hist.items()}}
+    report["plots"] = write_plots(out, summary, hist)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(report_markdown(summary, meta))
+    return report
+
+
+def _rotate(items: list[Any], i: int) -> list[Any]:
+    k = i % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def _warm_up(runners: Iterable[Any], q: Question, max_new: int, temperature: float, seed: int) -> None:
+    """Compile every local method for this question's shapes and let peers load, before timing."""
+    for r in runners:
+        if isinstance(r, PeerMethod):
+            r.peer.wait_ready()
+        answer_question(r, q, min(max_new, 16), temperature, seed)
+
+
+def _bar(total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="answer", disable=not enabled, dynamic_ncols=True)

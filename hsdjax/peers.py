@@ -1,0 +1,208 @@
+"""External peers measured side by side with hsdjax: transformers and llama.cpp, each in a subprocess.
+
+A peer is a long-lived worker process (``python -m hsdjax.peers KIND MODEL ...``) speaking JSON lines,
+so its memory stays bounded and its thread pool does not compete with XLA's inside one process:
+
+* once loaded it writes ``{"ready": true, "load_s": ...}``;
+* for each request ``{"ids": [...], "max_new_tokens": N}`` it generates greedily (batch 1, stopping at
+  the ``--eos`` ids) and answers ``{"tokens": [...], "prefill_s": s, "total_s": s}`` (``prefill_s`` is
+  the time to the first new token where the peer can report it, else 0).
+
+Kinds: ``hf`` (transformers ``generate``; with ``--assistant DRAFT`` assisted generation, with
+``--prompt-lookup N`` prompt lookup decoding) and ``llamacpp`` (llama-cpp-python on the GGUF as
+shipped). transformers loads the same GGUF with its own dequantizer, so it runs the same weights.
+torch, transformers and llama-cpp-python are optional (the ``test`` / ``llamacpp`` extras).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Sequence, TextIO
+
+from hsdjax.errors import HsdjaxError
+
+PEERS = {
+    "hf-ar": ("hf", []),
+    "hf-assisted": ("hf", ["--assistant", "{draft}"]),
+    "hf-pld": ("hf", ["--prompt-lookup", "10"]),
+    "llamacpp": ("llamacpp", []),
+}
+
+
+def peer_available(name: str) -> str | None:
+    """None when the peer can run here, else why not (one line)."""
+    import importlib.util
+
+    kind = PEERS[name][0]
+    needs = ("torch", "transformers") if kind == "hf" else ("llama_cpp",)
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        extra = "test" if kind == "hf" else "llamacpp"
+        return f"{name} skipped: {', '.join(missing)} not installed (pip install 'hsdjax[{extra}]')"
+    return None
+
+
+class Peer:
+    """Client of one worker process (started at once; ``wait_ready`` blocks until it has loaded)."""
+
+    def __init__(self, name: str, model: str, eos: Sequence[int], dtype: str = "float32", threads: int | None = None,
+                 draft: str | None = None):
+        kind, extra = PEERS[name]
+        if "{draft}" in " ".join(extra) and not draft:
+            raise HsdjaxError(f"{name} needs a draft model of the same tokenizer")
+        self.name, self.dtype = name, dtype
+        self.log = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, "-m", "hsdjax.peers", kind, model, "--dtype", dtype,
+               "--threads", str(threads or len(os.sched_getaffinity(0))), "--eos", ",".join(map(str, eos)),
+               *[a.format(draft=draft) for a in extra]]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, bufsize=1)
+        self.info: dict[str, Any] = {}
+
+    def _answer(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait()
+            self.log.seek(0)
+            tail = "".join(self.log.readlines()[-20:])
+            raise HsdjaxError(f"peer {self.name} exited (status {rc}); its last output:\n{tail}")
+        return json.loads(line)
+
+    def wait_ready(self) -> dict[str, Any]:
+        if not self.info:
+            self.info = self._answer()
+        return self.info
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        self.wait_ready()
+        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new_tokens}) + "\n")
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# ------------------------------------------------------------------------------------------- worker
+
+
+def _protocol_channel() -> TextIO:
+    """Keep the real stdout for answers; point fd 1 and sys.stdout at stderr for everything else."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+def _load_hf(name: str, dtype: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hsdjax import registry
+
+    source = registry.resolve(name, check=False)
+    if source.kind == "gguf":
+        folder, kwargs = source.path.parent, {"gguf_file": source.path.name}
+    else:
+        folder, kwargs = source.path, {}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+class _Stamps:
+    """A streamer that notes when each ``put`` happens (the prompt first, then each new token)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generator(args: argparse.Namespace, eos: list[int]):
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = _load_hf(args.model, args.dtype)
+    extra: dict[str, Any] = {}
+    if args.assistant:
+        extra["assistant_model"] = _load_hf(args.assistant, args.dtype)
+    if args.prompt_lookup:
+        extra["prompt_lookup_num_tokens"] = args.prompt_lookup
+
+    def generate(ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        prompt = torch.tensor([ids])
+        stamps = _Stamps()
+        t0 = time.perf_counter()
+        with torch.inference_mode():  # transformers refuses a streamer with assisted / lookup decoding
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0], use_cache=True,
+                                 streamer=None if extra else stamps, **extra)
+        total = time.perf_counter() - t0
+        prefill = stamps.times[1] - t0 if len(stamps.times) > 1 else 0.0
+        return {"tokens": out[0, len(ids):].tolist(), "prefill_s": prefill, "total_s": total}
+
+    return generate
+
+
+def _llamacpp_generator(args: argparse.Namespace, eos: list[int]):
+    from llama_cpp import Llama
+
+    from hsdjax import registry
+
+    llm = Llama(model_path=str(registry.resolve(args.model, check=False).path), n_ctx=4096,
+                n_threads=args.threads, verbose=False, logits_all=False)
+
+    def generate(ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        llm.reset()
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        prefill = 0.0
+        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if not tokens:
+                prefill = time.perf_counter() - t0
+            tokens.append(int(tok))
+            if tok in eos or len(tokens) >= max_new_tokens:
+                break
+        return {"tokens": tokens, "prefill_s": prefill, "total_s": time.perf_counter() - t0}
+
+    return generate
+
+
+def worker_main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="hsdjax peer worker (JSON lines on stdin/stdout)")
+    parser.add_argument("kind", choices=("hf", "llamacpp"))
+    parser.add_argument("model")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--eos", required=True, help="comma-separated stop token ids")
+    parser.add_argument("--assistant", default=None, help="hf: assisted generation with this draft model")
+    parser.add_argument("--prompt-lookup", type=int, default=0, help="hf: prompt lookup, tokens per guess")
+    args = parser.parse_args(argv)
+    eos = [int(i) for i in args.eos.split(",")]
+    channel = _protocol_channel()
+    t0 = time.perf_counter()
+    generate = (_hf_generator if args.kind == "hf" else _llamacpp_generator)(args, eos)
+    channel.write(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "dtype": args.dtype}) + "\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        channel.write(json.dumps(generate(request["ids"], request["max_new_tokens"])) + "\n")
+
+
+if __name__ == "__main__":
+    worker_main()

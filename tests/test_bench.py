@@ -1,0 +1,81 @@
+"""`hsdjax bench`: answer files in the Spec-Bench schema, resume without duplicates, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hsdjax.bench import read_questions
+from hsdjax.errors import HsdjaxError
+
+QUESTIONS = [
+    {"question_id": 7, "category": "writing", "turns": ["Name two primary colours.", "Now name a third."],
+     "extra": "ignored"},
+    {"question_id": 3, "category": "coding", "turns": ["Write a Python one-liner that reverses a string s."]},
+]
+
+
+def check_answer_file(path, ids):
+    lines = path.read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    assert [r["question_id"] for r in recs] == sorted(ids)
+    for r in recs:
+        assert set(r) == {"question_id", "category", "answer_id", "model_id", "choices", "tstamp"}
+        assert isinstance(r["answer_id"], str) and isinstance(r["tstamp"], float)
+        (choice,) = r["choices"]
+        assert set(choice) == {"index", "turns", "new_tokens", "wall_time", "accept_lengths"}
+        n = len(choice["turns"])
+        assert n == len(choice["new_tokens"]) == len(choice["wall_time"]) >= 1
+        assert all(isinstance(t, str) for t in choice["turns"])
+        assert all(isinstance(x, int) and x > 0 for x in choice["new_tokens"])
+        assert all(isinstance(x, float) and x > 0 for x in choice["wall_time"])
+    return recs
+
+
+def test_bench_two_questions_two_methods(tmp_path):
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hsdjax.cli", "bench", "--methods", "ar,pld", "--questions", str(qfile),
+           "--max-new-tokens", "24", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (out / "answers").iterdir()) == ["ar.jsonl", "pld.jsonl"]
+    ar = check_answer_file(out / "answers" / "ar.jsonl", [3, 7])
+    pld = check_answer_file(out / "answers" / "pld.jsonl", [3, 7])
+    assert [len(r["choices"][0]["turns"]) for r in ar] == [1, 2]
+    assert [r["choices"][0]["turns"] for r in ar] == [r["choices"][0]["turns"] for r in pld]  # greedy: identical
+    report = json.loads((out / "report.json").read_text())
+    overall = report["summary"]["pld"]["by_category"]["overall"]
+    assert overall["identical_to_ar"] is True and overall["speedup_vs_ar"] > 0
+    assert (out / "report.md").exists() and (out / "speedup_by_category.png").exists()
+    # a rerun resumes: nothing is redone, nothing duplicated
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    check_answer_file(out / "answers" / "ar.jsonl", [3, 7])
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('{"question_id": 1, "turns": ["hi"]', "not valid JSON"),
+    ('{"question_id": "x", "turns": ["hi"]}', "'question_id' must be an integer"),
+    ('{"question_id": 2, "turns": []}', "'turns' must be a non-empty list"),
+    ('[1, 2]', "expected a JSON object"),
+])
+def test_bad_question_file_names_the_line(tmp_path, line, needle):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(QUESTIONS[1]) + "\n\n" + line + "\n")
+    with pytest.raises(HsdjaxError, match=f"bad.jsonl:3: {needle}"):
+        read_questions(path)
+
+
+def test_bench_cli_rejects_unknown_method_and_bad_file(tmp_path):
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\nnot json\n')
+    base = [sys.executable, "-m", "hsdjax.cli", "bench", "--out", str(tmp_path / "o"), "--questions", str(qfile)]
+    proc = subprocess.run(base + ["--methods", "ar,nope"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown method" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "q.jsonl:2" in proc.stderr and "Traceback" not in proc.stderr
