@@ -23,6 +23,7 @@ from hsdjax.errors import HsdjaxError
 from hsdjax.paths import cache_dir
 from hsdjax.sampling import SamplingParams
 from hsdjax.tokenizer import IncrementalDecoder, Tokenizer
+from hsdjax.model import unstack_layers
 from hsdjax.weights import load_weights
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -75,16 +76,37 @@ def _fingerprint(source: registry.ModelSource) -> str:
     return digest.hexdigest()
 
 
-def load_model(name_or_path: str | None = None, *, dtype: str | None = None, progress: bool = False) -> LoadedModel:
-    """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder."""
+def default_layer_loop() -> str:
+    """``unrolled`` on CPU, ``scan`` on GPU/TPU.
+
+    Under ``lax.scan`` XLA's CPU backend copies each layer's weights out of the stacked arrays before
+    its matmuls, which triples memory traffic once a layer outgrows the caches (Qwen2.5-Coder-1.5B
+    decodes 2.2x faster unrolled; SmolLM2-135M is unaffected). Unrolled layers compile in ~10 s
+    instead of ~1 s, once: JAX's persistent compilation cache keeps the result.
+    """
+    return "unrolled" if jax.default_backend() == "cpu" else "scan"
+
+
+def load_model(name_or_path: str | None = None, *, dtype: str | None = None, layer_loop: str | None = None,
+               progress: bool = False) -> LoadedModel:
+    """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder.
+
+    ``layer_loop`` is ``scan`` (stacked weights under ``lax.scan``) or ``unrolled`` (per-layer weights);
+    default: see ``default_layer_loop``.
+    """
+    layer_loop = layer_loop or default_layer_loop()
+    if layer_loop not in ("scan", "unrolled"):
+        raise HsdjaxError(f"layer_loop must be 'scan' or 'unrolled' (got {layer_loop!r})")
     enable_compilation_cache()
     source = registry.resolve(name_or_path or registry.default_model())
     fingerprint = _fingerprint(source)
     cfg, np_params, timings = load_weights(source.path, source.kind, fingerprint, progress=progress)
     dtype = dtype or default_dtype()
-    cfg = cfg.replace(dtype=dtype)
+    cfg = cfg.replace(dtype=dtype, scan_layers=layer_loop == "scan")
     t0 = time.perf_counter()
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), np_params)
+    if layer_loop == "unrolled":
+        params = unstack_layers(params)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)
     else:

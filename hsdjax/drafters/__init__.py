@@ -43,7 +43,6 @@ def make_drafter(method: str, model: Any, *, draft_model: str | None = None, dep
     if not name:
         raise HsdjaxError(f"sps needs a draft model of {model.name}'s tokenizer; pass --draft-model NAME "
                           "(e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
-    draft = load_model(name, dtype=model.cfg.dtype)
+    draft = load_model(name, dtype=model.cfg.dtype, layer_loop="scan" if model.cfg.scan_layers else "unrolled")
     check_draft_compatible(model, draft)
-    cfg = draft.cfg.replace(scan_layers=model.cfg.scan_layers)
-    return DraftLMDrafter(draft_cfg=cfg, **opts), draft.params
+    return DraftLMDrafter(draft_cfg=draft.cfg, **opts), draft.params
