@@ -6,7 +6,7 @@
 Both engines get the same prompt (chat template applied) and the same weights (transformers loads the
 same GGUF file and dequantizes it), decode greedily, batch 1. hsdjax runs in this process (its default
 dtype: float32 on CPU); each transformers dtype runs in its own long-lived subprocess
-(``benchmarks/_hf_worker.py``) so that memory stays bounded and torch's thread pool does not compete
+(``hsdjax.peers``) so that memory stays bounded and torch's thread pool does not compete
 with XLA's inside one process. Each engine is warmed up once (hsdjax: compilation), then the repeats are
 interleaved, the order rotated each repeat, so drift of a shared machine hits every engine alike.
 
@@ -31,9 +31,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -42,7 +40,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-WORKER = Path(__file__).with_name("_hf_worker.py")
 DEFAULT_PROMPT = "Explain in a few paragraphs how a refrigerator works, and why it needs electricity."
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -115,45 +112,38 @@ class HsdjaxEngine:
 
 
 class TransformersEngine:
-    """transformers ``generate`` in a ``_hf_worker.py`` subprocess (started at once; see ``wait_ready``)."""
+    """A transformers peer (``hsdjax.peers``, its own subprocess), started at once; see ``wait_ready``."""
 
     def __init__(self, model: str, dtype: str, threads: int, eos: Sequence[int], name: str = "transformers",
-                 extra_args: Sequence[str] = ()):
+                 peer: str = "hf-ar", draft: str | None = None):
+        from hsdjax.peers import Peer
+
         self.name, self.dtype = name, dtype
-        self.log = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, str(WORKER), model, "--dtype", dtype, "--threads", str(threads),
-               "--eos", ",".join(map(str, eos)), *extra_args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, bufsize=1)
+        self.peer = Peer(peer, model, eos, dtype=dtype, threads=threads, draft=draft)
         self.info: dict[str, Any] = {}
 
-    def _answer(self) -> dict[str, Any]:
-        line = self.proc.stdout.readline()
-        if not line:
-            rc = self.proc.wait()
-            self.log.seek(0)
-            tail = "".join(self.log.readlines()[-20:])
-            raise BenchError(f"the transformers {self.dtype} worker exited (status {rc}); its last output:\n{tail}")
-        return json.loads(line)
-
     def wait_ready(self) -> dict[str, Any]:
-        self.info = self._answer()
+        self.info = self.peer.wait_ready()
         return self.info
 
     def run(self, ids: list[int], max_new: int) -> Run:
-        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new}) + "\n")
-        a = self._answer()
+        a = self.peer.generate(ids, max_new)
         return Run(a["tokens"], a["prefill_s"], a["total_s"] - a["prefill_s"])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        self.peer.close()
+
+
+def _library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
 
 
 def label(engine: Any) -> str:
@@ -313,7 +303,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "machine": {"cores": os.cpu_count(), "loadavg": {"start": load_start, "end": os.getloadavg()[0]},
                     "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),
-                    **{k: hf[0].info.get(k) for k in ("torch", "transformers") if hf}},
+                    **{k: v for k, v in _library_versions().items() if hf}},
         "bandwidth": bandwidth,
         "hsdjax_compile_s": warm.compile_s,
         "hf_workers": {e.dtype: e.info for e in hf},

@@ -26,7 +26,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ar_vs_transformers import Run, TransformersEngine, progress  # noqa: E402
 
-PEERS = {"hf-ar": [], "hf-assisted": ["--assistant", "{draft}"], "hf-pld": ["--prompt-lookup", "10"]}
 
 
 def read_questions(paths: list[str], limit: int | None) -> list[dict[str, Any]]:
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--methods", default="ar,pld")
-    parser.add_argument("--peers", default="", help=f"comma-separated: {', '.join(PEERS)}")
+    parser.add_argument("--peers", default="", help="comma-separated: hf-ar, hf-assisted, hf-pld, llamacpp")
     parser.add_argument("--questions", action="append", required=True)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--turn", type=int, choices=(1, 2), default=1)
@@ -131,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     draft = args.draft_model or (model.source.spec.draft_model if model.source.spec else None)
     peers = [p for p in args.peers.split(",") if p]
     for p in peers:
-        extra = [a.format(draft=draft) for a in PEERS[p]]
-        engines.append(TransformersEngine(args.model, "float32", 2, model.tokenizer.stop_ids, name=p, extra_args=extra))
+        engines.append(TransformersEngine(args.model, "float32", 2, model.tokenizer.stop_ids, name=p, peer=p,
+                                          draft=draft))
     questions = read_questions(args.questions, args.limit)
     progress(f"{len(questions)} questions; building prompts (turn {args.turn})")
     prompts = build_prompts(engines[0].gen, questions, args.turn, args.max_new_tokens)

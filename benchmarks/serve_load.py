@@ -1,0 +1,210 @@
+"""Loopback load on `hsdjax serve`: throughput and latency with 1, 4, 16 concurrent clients.
+
+    python benchmarks/serve_load.py                                  # starts a server per variant
+    python benchmarks/serve_load.py --variants ar,pld,pld@1 --clients 1,4,16 --requests 2 --max-tokens 64
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --variants pld   # an already running server
+    python benchmarks/serve_load.py --questions ../shared/data/eval/mt_bench.jsonl --limit 16
+
+A variant is a method (``ar``, ``pld``, ``sps``), optionally ``@N`` for ``--spec-max-active N``
+(speculate only while at most N rows are busy; ``@none``: always speculate; no suffix: the server's
+default, ``auto``). Each client streams greedy chat completions
+(``stream_options.include_usage``), one after another, ``--requests`` each; prompts are spread over
+the clients. Before each level, the same clients run one short untimed round (so the shapes that level
+needs, such as prompt buckets and batch sizes, are compiled). Printed per (variant, clients): completion tokens/s over
+the wall time of the level, p50/p90/p99 time to first content token and total request time, and the
+mean accepted length reported by the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Here is a Python function:\n\ndef mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)\n\nRewrite it with type hints and a docstring.",
+    "Explain what a hash map is and give a short Python example.",
+    "Summarize this paragraph in two sentences: The mitochondria is the powerhouse of the cell. It produces "
+    "energy in the form of ATP through cellular respiration, and it has its own DNA, which suggests it was "
+    "once an independent organism that entered a symbiotic relationship with early eukaryotic cells.",
+    "Write a short story about a robot who learns to paint.",
+    "What are three tips for writing clean code?",
+    "Convert this list to a JSON object with keys name and age: Alice 31, Bob 27, Carol 45.",
+    "Describe the water cycle for a ten-year-old.",
+    "Write a SQL query that returns the ten most recent orders from a table orders(id, created_at, total).",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, method: str, spec_max_active: str | None
+                 ) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "hsdjax.cli", "serve", "--port", str(port), "--method", method,
+           "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
+           "--max-context", str(args.max_context), "--rounds", str(args.rounds), "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if spec_max_active is not None:
+        cmd += ["--spec-max-active", spec_max_active]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server for {method} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"server for {method} not ready")
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    usage, extra = None, None
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return {"status": resp.status_code}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and ttft is None and event["choices"][0].get("delta", {}).get("content"):
+                ttft = time.perf_counter() - t0
+            if event.get("usage"):
+                usage, extra = event["usage"], event.get("hsdjax")
+    total = time.perf_counter() - t0
+    return {"status": 200, "ttft": ttft if ttft is not None else total, "total": total,
+            "tokens": usage["completion_tokens"] if usage else 0,
+            "accepted": (extra or {}).get("mean_accepted_length"), "passes": (extra or {}).get("target_passes")}
+
+
+async def level(url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int
+                ) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        async def client(c: int) -> list[dict[str, Any]]:
+            out = []
+            for r in range(requests):
+                out.append(await one_request(http, url, model, prompts[(c * requests + r) % len(prompts)], max_tokens))
+            return out
+
+        t0 = time.perf_counter()
+        results = [x for xs in await asyncio.gather(*(client(c) for c in range(clients))) for x in xs]
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    tokens = sum(r["tokens"] for r in ok)
+    passes = sum(r["passes"] or 0 for r in ok)
+    return {
+        "clients": clients, "requests": len(results), "errors": len(results) - len(ok), "tokens": tokens,
+        "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
+        "ttft_p50": percentile([r["ttft"] for r in ok], 0.5), "ttft_p90": percentile([r["ttft"] for r in ok], 0.9),
+        "ttft_p99": percentile([r["ttft"] for r in ok], 0.99),
+        "total_p50": percentile([r["total"] for r in ok], 0.5), "total_p90": percentile([r["total"] for r in ok], 0.9),
+        "total_p99": percentile([r["total"] for r in ok], 0.99),
+        # tokens per target pass over the level (the first token of each request comes from the prefill)
+        "accepted": round((tokens - len(ok)) / passes, 3) if passes else None,
+    }
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if not args.questions:
+        return PROMPTS
+    out = []
+    for path in args.questions:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                q = json.loads(line)
+                out.append(q["turns"][0] if "turns" in q else q.get("prompt") or q["question"])
+    return out[: args.limit] if args.limit else out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="use a running server (then --variants names its method)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--variants", default="ar,pld", help="methods, METHOD@N for --spec-max-active N (default ar,pld)")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests", type=int, default=2, help="requests per client per level (default 2)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--questions", action="append", default=None, help="JSONL question files (turns[0] is used)")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object per level")
+    args = p.parse_args()
+    prompts = read_prompts(args)
+    clients = [int(c) for c in args.clients.split(",")]
+    rows = []
+    print(f"{'variant':<8} {'clients':>7} {'reqs':>5} {'err':>4} {'tokens':>6} {'wall s':>7} {'tok/s':>7} "
+          f"{'ttft p50/p90/p99 s':>20} {'total p50/p90/p99 s':>21} {'tok/pass':>8}", flush=True)
+    for variant in args.variants.split(","):
+        method, _, n = variant.partition("@")
+        proc = None
+        if args.url:
+            url = args.url
+        else:
+            proc, url = start_server(args, method, n or None)
+        try:
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            for c in clients:
+                asyncio.run(level(url, model, prompts, c, 1, 4))  # untimed: compiles this level's shapes
+                r = dict(asyncio.run(level(url, model, prompts, c, args.requests, args.max_tokens)), variant=variant)
+                rows.append(r)
+                if args.json:
+                    print(json.dumps(r), flush=True)
+                else:
+                    print(f"{variant:<8} {c:>7} {r['requests']:>5} {r['errors']:>4} {r['tokens']:>6} "
+                          f"{r['wall_s']:>7.1f} {r['tokens_per_s']:>7.1f} {r['ttft_p50']:>6.2f}/{r['ttft_p90']:>5.2f}/{r['ttft_p99']:>5.2f}"
+                          f"     {r['total_p50']:>6.2f}/{r['total_p90']:>5.2f}/{r['total_p99']:>5.2f}"
+                          f"  {r['accepted'] if r['accepted'] is not None else '-':>8}", flush=True)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    by = {(r["variant"], r["clients"]): r["tokens_per_s"] for r in rows}
+    for variant in args.variants.split(","):
+        lo, hi = by.get((variant, min(clients))), by.get((variant, max(clients)))
+        if lo and hi:
+            print(f"{variant}: {max(clients)} clients vs {min(clients)}: {hi / lo:.2f}x tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
