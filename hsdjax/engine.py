@@ -229,7 +229,7 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
     if len(tiers) == 1:
         cache, verdict, emitted, path_states = verify_round(params, cfg, drafter, gen, tree)
     else:
-        needed = jnp.max(jnp.sum(tree.valid, axis=1))
+        needed = jnp.max(jnp.where(gen.done, 1, jnp.sum(tree.valid, axis=1)))  # finished rows don't count
         branches = [partial(lambda k, t: verify_round(params, cfg, drafter, gen, compact(t, k)), k) for k in tiers]
         tier = jnp.searchsorted(jnp.array(tiers), needed)
         cache, verdict, emitted, path_states = jax.lax.switch(tier, branches, tree)

@@ -1,0 +1,289 @@
+"""The FastAPI application: OpenAI-compatible endpoints in front of the ``Scheduler``.
+
+Every error leaves as the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``:
+FastAPI's validation handler (422 with its own body) and Starlette's HTTP errors are overridden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hsdjax.errors import HsdjaxError
+from hsdjax.serving.metrics import Metrics
+from hsdjax.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ResponseBuilder,
+                                     new_id, usage)
+from hsdjax.serving.scheduler import GenRequest, QueueFull, Scheduler
+
+log = logging.getLogger("hsdjax.serve")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as the OpenAI completions API; chat defaults to the rest of the context
+
+
+class MetricsMiddleware:
+    """Counts every HTTP response by endpoint and status (pure ASGI: streaming passes through)."""
+
+    def __init__(self, app: Any, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.request(scope.get("path", ""), status["code"])
+
+
+def _common_loc(errors: list[dict[str, Any]]) -> list[str]:
+    """Where a validation error is: the first error's field, narrowed to the common prefix of the
+    errors on that field (a union reports one error per member, with the member's name appended)."""
+    if not errors:
+        return []
+    locs = [[str(x) for x in e.get("loc", ()) if x != "body"] for e in errors]
+    first = locs[0]
+    same = [loc for loc in locs if loc[:1] == first[:1]]
+    prefix = []
+    for parts in zip(*same):
+        if any(p != parts[0] for p in parts):
+            break
+        prefix.append(parts[0])
+    return prefix
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def create_app(sched: Scheduler, model_name: str) -> FastAPI:
+    metrics = sched.metrics
+    created = int(time.time())
+    fingerprint = f"hsdjax-{sched.method}-{sched.model.fingerprint[:8]}"
+    app = FastAPI(title="hsdjax", description="OpenAI-compatible server with lossless speculative decoding",
+                  docs_url=None, redoc_url=None)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.state.scheduler = sched
+
+    metrics.gauges = lambda: {
+        "queue_depth": (sched.snapshot()["waiting"], "Requests waiting for a row."),
+        "active_rows": (sched.snapshot()["active"], "Rows generating (or being prefilled)."),
+        "batch_slots": (sched.snapshot()["slots"], "Rows of the running batch (its batch bucket)."),
+        "max_batch": (sched.max_batch, "Largest running batch (--max-batch)."),
+        "max_queue": (sched.max_queue, "Waiting requests allowed beyond the batch (--max-queue)."),
+        "ready": (int(sched.ready.is_set() and sched.failure is None), "1 when the server takes requests."),
+    }
+
+    # ------------------------------------------------------------------ errors
+    def error_response(err: APIError) -> JSONResponse:
+        metrics.error(err.type if err.status != 429 else "rate_limit_exceeded")
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
+        loc = _common_loc(errors)
+        param = ".".join(loc) or None
+        if first["type"] == "json_invalid":
+            detail = (first.get("ctx") or {}).get("error", "")
+            return error_response(APIError(400, f"We could not parse the JSON body of your request ({detail}).",
+                                           code="invalid_json"))
+        if not loc:  # the body as a whole: empty, not an object, or not sent as JSON
+            ctype = request.headers.get("content-type", "")
+            hint = "" if "json" in ctype else f" (Content-Type is {ctype or 'missing'}; use application/json)"
+            what = "empty" if first["type"] == "missing" else "not a JSON object"
+            return error_response(APIError(400, f"The request body is {what}; expected a JSON object{hint}.",
+                                           code="invalid_json"))
+        code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
+        where = param or "body"
+        msg = f"Invalid value for '{where}': {first['msg']}"
+        if first["type"] == "missing":
+            msg = f"Missing required parameter: '{where}'."
+        return error_response(APIError(400, msg, param=param, code=code))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        msg = exc.detail if isinstance(exc.detail, str) else "error"
+        if exc.status_code == 404:
+            msg = f"Unknown endpoint: {request.method} {request.url.path}"
+        return error_response(APIError(exc.status_code, msg, code=codes.get(exc.status_code),
+                                       headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    # ------------------------------------------------------------------ plain endpoints
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        snap = sched.snapshot()
+        if sched.failure:
+            status, code = "error", 503
+        elif not sched.ready.is_set():
+            status, code = "loading", 503
+        else:
+            status, code = "ok", 200
+        return JSONResponse({"status": status, "model": model_name, "method": sched.method, **snap,
+                             "max_batch": sched.max_batch, "max_queue": sched.max_queue,
+                             "context": sched.context_limit,
+                             "spec_max_active": sched.spec_max_active if sched.plain is not None else None},
+                            status_code=code)
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "hsdjax",
+                "hsdjax": {"method": sched.method, "context": sched.context_limit, "max_batch": sched.max_batch}}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        return model_card()
+
+    # ------------------------------------------------------------------ generation
+    def prepare(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> GenRequest:
+        if body.model != model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist (this server serves '{model_name}')",
+                           param="model", code="model_not_found")
+        body.check_supported()
+        if sched.failure:
+            raise APIError(503, "the model failed to start; see the server log", type="server_error")
+        if not sched.ready.is_set():
+            raise APIError(503, "the model is still loading", type="server_error", code="model_loading",
+                           headers={"Retry-After": "5"})
+        where = "messages" if chat else "prompt"
+        try:
+            if chat:
+                ids = sched.generator.encode_prompt(body.conversation())
+            else:
+                ids = sched.generator.encode_prompt(body.single_prompt(), chat=False)
+        except HsdjaxError as exc:
+            raise APIError(400, str(exc), param=where, code="invalid_value") from None
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. the chat template rejects the conversation
+            raise APIError(400, f"could not build the prompt: {type(exc).__name__}: {exc}", param=where,
+                           code="invalid_value") from None
+        limit = sched.context_limit
+        if len(ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                f"is {len(ids)} tokens long, which leaves no room for a completion.",
+                           param=where, code="context_length_exceeded")
+        budget = body.budget()
+        if budget is None:
+            budget = (limit - len(ids)) if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, limit - len(ids))
+        elif len(ids) + budget > limit:
+            param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{len(ids) + budget} tokens ({len(ids)} in the prompt, {budget} for the "
+                                "completion). Please reduce the prompt or the completion length.",
+                           param=param, code="context_length_exceeded")
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+        if not -(2**31) <= seed < 2**31:
+            seed %= 2**31
+        return GenRequest(
+            id=new_id("req"), prompt_ids=ids, max_new=budget,
+            temperature=1.0 if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p), top_k=body.top_k or 0, seed=seed,
+            stops=body.stop_list(), loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+
+    def submit(req: GenRequest) -> None:
+        try:
+            sched.submit(req)
+        except QueueFull:
+            raise APIError(429, f"The server is busy: {sched.max_batch} requests are generating and "
+                                f"{sched.max_queue} are waiting. Retry later.",
+                           type="rate_limit_exceeded", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+                           ) from None
+
+    async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Any:
+        req = prepare(body, chat)
+        submit(req)
+        builder = ResponseBuilder(chat, model_name, fingerprint)
+        if body.stream:
+            return StreamingResponse(stream(req, builder, body.include_usage()), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await complete(req, builder, request)
+
+    async def complete(req: GenRequest, builder: ResponseBuilder, request: Request) -> JSONResponse:
+        async def watch_disconnect() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.5)
+            req.cancel()  # the scheduler answers with a "cancelled" error event and frees the row
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            while True:
+                kind, payload = await req.queue.get()
+                if kind == "done":
+                    use = usage(payload["prompt_tokens"], payload["completion_tokens"])
+                    return JSONResponse(builder.full(payload["text"], payload["finish_reason"], use,
+                                                     payload["hsdjax"]))
+                if kind == "error":
+                    return error_response(payload)
+        finally:
+            watcher.cancel()
+            req.cancel()  # a no-op once finished; frees the row if this handler is cancelled
+
+    async def stream(req: GenRequest, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            if builder.chat:
+                yield _sse(builder.chunk("", first=True, include_usage=include_usage))
+            while True:
+                kind, payload = await req.queue.get()
+                if kind == "delta":
+                    yield _sse(builder.chunk(payload, include_usage=include_usage))
+                elif kind == "done":
+                    yield _sse(builder.chunk(None, payload["finish_reason"], include_usage=include_usage,
+                                             extra=payload["hsdjax"]))
+                    if include_usage:
+                        use = usage(payload["prompt_tokens"], payload["completion_tokens"])
+                        yield _sse(builder.usage_chunk(use, payload["hsdjax"]))
+                    break
+                else:  # an error after the stream started: an error event, then the end
+                    metrics.error(payload.type)
+                    yield _sse(payload.body())
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            req.cancel()  # client gone (the task is cancelled) or finished: frees the row either way
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await generate(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await generate(body, request, chat=False)
+
+    return app

@@ -1,0 +1,239 @@
+"""The OpenAI wire format: request models (pydantic v2), the error body, and response/chunk builders.
+
+Requests are validated strictly (no string-to-number coercion; a JSON number where a string is due is
+an error). Fields the OpenAI API defines but hsdjax cannot honour losslessly (``n`` > 1, ``logprobs``,
+penalties, ``logit_bias``, tools, ``echo``, ``best_of``, ``suffix``) are rejected with a 400 rather than
+silently ignored; fields unknown to both are ignored, as most OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------------------------------- requests
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)",
+                               param=f"messages.{index}.content.{j}", code="unsupported_content")
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # extension (as in vLLM); 0 = off
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        items = [value] if isinstance(value, str) else (value or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed (got {len(items)})")
+        if any(not s for s in items):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """Reject the OpenAI parameters hsdjax does not implement (400, naming the parameter)."""
+        if self.n not in (None, 1):
+            raise APIError(400, f"n={self.n} is not supported: hsdjax returns one choice per request (n=1)",
+                           param="n", code="unsupported_parameter")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (it would change the model's distribution)",
+                               param=name, code="unsupported_parameter")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options",
+                           code="invalid_value")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format type 'text' is supported", param="response_format",
+                           code="unsupported_parameter")
+
+    def budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        out = []
+        for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text(i)})
+        return out
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported", param="best_of", code="unsupported_parameter")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+
+    def budget(self) -> int | None:
+        return self.max_tokens
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"batched prompts ({len(p)}) are not supported: send one prompt per request",
+                               param="prompt", code="unsupported_parameter")
+            p = p[0]
+        if isinstance(p, str) and not p:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        if isinstance(p, list) and not p:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        return p
+
+
+# ---------------------------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ResponseBuilder:
+    """Builds the bodies and stream chunks of one request (chat or text completion)."""
+
+    def __init__(self, chat: bool, model: str, fingerprint: str):
+        self.chat = chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.model = model
+        self.fingerprint = fingerprint
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+    def full(self, text: str, finish_reason: str, use: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                      "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("text_completion")
+        return {**body, "choices": [choice], "usage": use, "hsdjax": extra}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, *, first: bool = False,
+              include_usage: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("text_completion")
+        body["choices"] = [choice]
+        if include_usage:
+            body["usage"] = None
+        if extra is not None:
+            body["hsdjax"] = extra
+        return body
+
+    def usage_chunk(self, use: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": use, "hsdjax": extra}
