@@ -122,7 +122,7 @@ def prefill(
 
     Rows with ``max_new`` 0 are padding: they start done. ``spare`` is the number of cache slots a
     step may need (1 for plain decoding, the tree size for speculative decoding). Also returns the
-    prompt's forward outputs (``hidden``, ``layers``, ``k``, ``v``) for drafters.
+    prompt's final hidden states (``hidden`` [B, P, E]) for drafters.
     """
     model = Transformer(cfg)
     b, p = prompt.shape
@@ -138,7 +138,8 @@ def prefill(
     state = GenState(cache=cache, seq=seq, seq_len=prompt_len + 1, prompt_len=prompt_len, done=max_new <= 0,
                      max_new=max_new, keys=keys, sampling=sampling, stop_ids=stop_ids)
     state = state.replace(done=state.done | finished(first, state.n_out, state, cache, spare))
-    return state, fwd
+    # Only what drafters use leaves the program (the per-layer states of a long prompt are large).
+    return state, {"hidden": fwd["hidden"]}
 
 
 @struct.dataclass
