@@ -147,74 +147,58 @@ def test_hf_folder_roundtrip_matches_transformers(tiny, tmp_path, monkeypatch):
     np.testing.assert_allclose(ours, ref, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def smollm_hf():
+def load_transformers_reference(model):
+    """transformers' PyTorch model read from the same GGUF file (its own dequantizer), float32."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from hsdjax import registry
-
-    path = registry.resolve("smollm2-135m").path
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    return model
+    path = model.source.path
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
 
 
-def test_smollm2_logits_and_greedy_match_transformers(smollm, smollm_hf):
-    """Our SmolLM2 (from the same GGUF) matches transformers' PyTorch model: logits on a 64-token
-    prompt, and 64 greedy tokens."""
+def assert_matches_transformers(model, hf, logits_prompt: str, greedy_prompt: str, tolerance: float) -> None:
+    """Logits over a 64-token chat prompt agree within ``tolerance``; 64 greedy tokens are identical."""
     import torch
-
-    tok = smollm.tokenizer
-    ids = tok.encode_chat([{"role": "user", "content": "Write a short poem about the sea and the wind, "
-                                                       "then explain what a metaphor is in two sentences."}])
-    ids = (ids * 4)[:64]
-    assert len(ids) == 64
-    ours = full_logits(smollm.cfg, smollm.params, ids)
-    with torch.no_grad():
-        ref = smollm_hf(torch.tensor([ids])).logits[0].numpy()
-    diff = float(np.abs(ours - ref).max())
-    print(f"SmolLM2 max |logit diff| over 64 tokens: {diff:.2e}")
-    assert diff < 2e-3
 
     from hsdjax.api import Generator
 
-    prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France? Answer briefly."}])
-    result = Generator(smollm).generate(prompt, max_new_tokens=64)[0]
+    tok = model.tokenizer
+    ids = (tok.encode_chat([{"role": "user", "content": logits_prompt}]) * 4)[:64]
+    assert len(ids) == 64
+    ours = full_logits(model.cfg, model.params, ids)
     with torch.no_grad():
-        hf_out = smollm_hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
-                                    eos_token_id=list(tok.stop_ids), pad_token_id=tok.stop_ids[0])
-    hf_tokens = hf_out[0, len(prompt):].tolist()
-    assert result.tokens == hf_tokens[: len(result.tokens)]
-    assert len(result.tokens) == len(hf_tokens)
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    diff = float(np.abs(ours - ref).max())
+    print(f"{model.name} max |logit diff| over 64 tokens: {diff:.2e}")
+    assert diff < tolerance
+    prompt = tok.encode_chat([{"role": "user", "content": greedy_prompt}])
+    result = Generator(model).generate(prompt, max_new_tokens=64)[0]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
+                          eos_token_id=list(tok.stop_ids), pad_token_id=tok.stop_ids[0])
+    assert result.tokens == out[0, len(prompt):].tolist()
+
+
+def test_smollm2_logits_and_greedy_match_transformers(smollm):
+    """Our SmolLM2 (from the same GGUF) matches transformers' PyTorch model: logits on a 64-token
+    prompt, and 64 greedy tokens."""
+    assert_matches_transformers(
+        smollm, load_transformers_reference(smollm),
+        "Write a short poem about the sea and the wind, then explain what a metaphor is in two sentences.",
+        "What is the capital of France? Answer briefly.", tolerance=2e-3)
 
 
 @pytest.mark.slow
 def test_qwen_coder_05b_matches_transformers():
     """Qwen2 family on real weights (q/k/v bias, untied head): logits on a 64-token prompt and 64
     greedy tokens equal transformers' on the same GGUF. Needs `hsdjax models pull qwen2.5-coder-0.5b`."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     from hsdjax import registry
-    from hsdjax.api import Generator, load_model
+    from hsdjax.api import load_model
 
     if not registry.is_installed("qwen2.5-coder-0.5b"):
         pytest.skip("qwen2.5-coder-0.5b is not installed (hsdjax models pull qwen2.5-coder-0.5b)")
     model = load_model("qwen2.5-coder-0.5b")
-    path = model.source.path
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
-    ids = model.tokenizer.encode_chat([{"role": "user", "content": "Write a Python function that checks "
-                                        "whether a string is a palindrome, ignoring case and spaces."}])
-    ids = (ids * 4)[:64]
-    ours = full_logits(model.cfg, model.params, ids)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    diff = float(np.abs(ours - ref).max())
-    print(f"Qwen2.5-Coder-0.5B max |logit diff| over 64 tokens: {diff:.2e}")
-    assert diff < 5e-3
-    prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Write a haiku about recursion."}])
-    result = Generator(model).generate(prompt, max_new_tokens=64)[0]
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
-                          eos_token_id=list(model.tokenizer.stop_ids), pad_token_id=model.tokenizer.stop_ids[0])
-    assert result.tokens == out[0, len(prompt):].tolist()
+    assert_matches_transformers(
+        model, load_transformers_reference(model),
+        "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+        "Write a haiku about recursion.", tolerance=5e-3)
