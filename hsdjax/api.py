@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hsdjax import engine, registry
+from hsdjax import engine, registry, sharding
 from hsdjax.config import ModelConfig
 from hsdjax.errors import HsdjaxError
 from hsdjax.paths import cache_dir
@@ -60,6 +60,7 @@ class LoadedModel:
     source: registry.ModelSource
     fingerprint: str  # sha256 of the weights file(s): drafters are bound to it
     timings: dict[str, float]
+    mesh: Any = None  # the jax.sharding.Mesh the params are placed on (None: one device)
 
 
 def _fingerprint(source: registry.ModelSource) -> str:
@@ -88,12 +89,15 @@ def default_layer_loop() -> str:
 
 
 def load_model(name_or_path: str | None = None, *, dtype: str | None = None, layer_loop: str | None = None,
-               progress: bool = False) -> LoadedModel:
+               progress: bool = False, mesh: Any = None) -> LoadedModel:
     """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder.
 
     ``layer_loop`` is ``scan`` (stacked weights under ``lax.scan``) or ``unrolled`` (per-layer weights);
-    default: see ``default_layer_loop``.
+    default: see ``default_layer_loop``. ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, a
+    dict of axis sizes or a string like ``"data=1,model=8"``) shards the params tensor-parallel (see
+    ``hsdjax.sharding``); None keeps them on one device.
     """
+    mesh = sharding.make_mesh(mesh)
     layer_loop = layer_loop or default_layer_loop()
     if layer_loop not in ("scan", "unrolled"):
         raise HsdjaxError(f"layer_loop must be 'scan' or 'unrolled' (got {layer_loop!r})")
@@ -104,15 +108,17 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     dtype = dtype or default_dtype()
     cfg = cfg.replace(dtype=dtype, scan_layers=layer_loop == "scan")
     t0 = time.perf_counter()
-    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), np_params)
+    as_array = jnp.asarray if mesh is None else np.asarray  # sharded: straight from host to each device
+    params = jax.tree_util.tree_map(lambda a: as_array(a, dtype=jnp.dtype(dtype)), np_params)
     if layer_loop == "unrolled":
         params = unstack_layers(params)
+    params = sharding.shard_params(cfg, params, mesh)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)
     else:
         tokenizer = Tokenizer.from_hf_folder(source.path)
     timings = dict(timings, device_put_s=time.perf_counter() - t0)
-    return LoadedModel(source.name, cfg, params, tokenizer, source, fingerprint, timings)
+    return LoadedModel(source.name, cfg, params, tokenizer, source, fingerprint, timings, mesh)
 
 
 @dataclasses.dataclass
@@ -163,6 +169,8 @@ class Generator:
         self.model = model
         self.method = method
         self.drafter, self.dparams = make_drafter(method, model, **options)
+        self.mesh = getattr(model, "mesh", None)
+        self.dparams = sharding.replicate(self.dparams, self.mesh)  # drafters run whole on every device
         self._compiled: dict[tuple[Any, ...], Any] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -213,7 +221,7 @@ class Generator:
             sampling=SamplingParams.make(b, temperature, top_k, top_p), keys=keys,
             stop_ids=engine.stop_array(self.model.tokenizer.stop_ids),
         )
-        return inputs, b, s_bucket
+        return sharding.place_inputs(inputs, self.mesh), b, s_bucket
 
     # ------------------------------------------------------------------ compiled programs
     def _program(self, kind: str, fn: Any, *args: Any, **static: Any) -> tuple[Any, float]:
@@ -231,7 +239,8 @@ class Generator:
         args = (self.model.params, inputs["prompt"], inputs["prompt_len"], inputs["max_new"],
                 inputs["sampling"], inputs["keys"], inputs["stop_ids"])
         program, compile_s = self._program("prefill", engine.prefill, *args, cfg=self.model.cfg,
-                                           cache_size=s_bucket, spare=self.drafter.spare)
+                                           cache_size=s_bucket, spare=self.drafter.spare,
+                                           keep_layers=self.drafter.prompt_layers)
         t0 = time.perf_counter()
         gen, prompt_fwd = program(*args)
         jax.block_until_ready(gen)
@@ -239,7 +248,7 @@ class Generator:
         start_args = (self.dparams, gen, prompt_fwd)
         start, c2 = self._program("start", engine.start_decoding, *start_args, drafter=self.drafter)
         t0 = time.perf_counter()
-        state = start(*start_args)
+        state = sharding.shard_state(start(*start_args), self.model.cfg, self.mesh)
         jax.block_until_ready(state)
         return state, elapsed + time.perf_counter() - t0, compile_s + c2
 
@@ -279,15 +288,15 @@ class Generator:
         decoder = IncrementalDecoder(self.model.tokenizer, skip_special_tokens=True)
         stops = set(self.model.tokenizer.stop_ids)
         decode_s = 0.0
-        seen = int(state.gen.prompt_len[0])
+        seen = int(sharding.to_host(state.gen.prompt_len)[0])
         while True:
-            n = int(state.gen.seq_len[0])
-            new = [t for t in np.asarray(state.gen.seq[0, seen:n]).tolist() if t not in stops]
+            n = int(sharding.to_host(state.gen.seq_len)[0])
+            new = [t for t in sharding.to_host(state.gen.seq)[0, seen:n].tolist() if t not in stops]
             seen = n
             piece = decoder.push(new)
             if piece:
                 yield piece
-            if bool(state.gen.done[0]):
+            if bool(sharding.to_host(state.gen.done)[0]):
                 break
             t0 = time.perf_counter()
             state = program(state, chunk_steps)
@@ -300,8 +309,8 @@ class Generator:
 
     def _results(self, state: engine.DecodeState, rows: list[list[int]], prefill_s: float, decode_s: float,
                  compile_s: float) -> list[GenerationResult]:
-        gen, st = state.gen, jax.tree_util.tree_map(np.asarray, state.stats)
-        seq, start, end = np.asarray(gen.seq), np.asarray(gen.prompt_len), np.asarray(gen.seq_len)
+        gen, st = state.gen, jax.tree_util.tree_map(sharding.to_host, state.stats)
+        seq, start, end = (sharding.to_host(a) for a in (gen.seq, gen.prompt_len, gen.seq_len))
         stops = set(self.model.tokenizer.stop_ids)
         results = []
         for i, r in enumerate(rows):
@@ -317,15 +326,28 @@ class Generator:
                 text=text, tokens=toks, prompt_tokens=len(r), finish_reason="stop" if stopped else "length",
                 prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s,
                 stats={
-                    "method": self.method, "devices": jax.device_count(), "batch": len(rows),
+                    "method": self.method, "devices": sharding.mesh_devices(self.mesh),
+                    "mesh": sharding.mesh_shape(self.mesh), "batch": len(rows),
                     "mean_accepted_length": round(decoded / passes, 4) if passes else None,
                     "target_passes": passes, "draft_steps": int(st.draft_passes[i]),
                     "mean_tree_nodes": round(int(st.tree_nodes[i]) / passes, 3) if passes else None,
                     "accept_hist": hist,
+                    **_drafter_stats_of(self.method, st, i, passes),
                     "accept_lengths": st.round_log[i, :passes].tolist(),
                 },
             ))
         return results
+
+
+def _drafter_stats_of(method: str, st: Any, i: int, passes: int) -> dict[str, Any]:
+    """Drafter work counters of row ``i`` (the same definitions for every drafting method)."""
+    states, accepted = int(st.drafter_states[i]), int(st.accepted_drafts[i])
+    out: dict[str, Any] = {"drafter_passes": int(st.draft_passes[i]), "drafter_states": states,
+                           "draft_utilisation": round(accepted / states, 4) if states else None}
+    if method == "hsd":
+        out["chain_steps"] = states
+        out["reused_states"] = int(st.reused_states[i])
+    return out
 
 
 def _is_single(prompts: Any) -> bool:

@@ -305,8 +305,10 @@ def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, in
 
 def run_bench(model_name: str | None, methods: Sequence[str], question_files: Sequence[str], out: str | Path, *,
               max_new_tokens: int = 256, temperature: float = 0.0, limit: int | None = None, seed: int = 0,
-              method_options: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) a benchmark; returns the report dict (also written to OUT/report.json)."""
+              method_options: dict[str, Any] | None = None, progress: bool = True, mesh: Any = None) -> dict[str, Any]:
+    """Run (or resume) a benchmark; returns the report dict (also written to OUT/report.json).
+
+    ``mesh`` (see ``hsdjax.sharding.make_mesh``) shards the target; None: one device."""
     from hsdjax.api import Generator, load_model
     from hsdjax.drafters import METHODS
     from hsdjax.peers import PEERS, Peer, peer_available
@@ -319,7 +321,7 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
     out = Path(out)
     (out / "answers").mkdir(parents=True, exist_ok=True)
     (out / "raw").mkdir(exist_ok=True)
-    model = load_model(model_name)
+    model = load_model(model_name, mesh=mesh)
     notes: list[str] = []
     methods = list(dict.fromkeys(["ar", *methods]))
     draft = (method_options or {}).get("draft_model") or (model.source.spec.draft_model if model.source.spec else None)

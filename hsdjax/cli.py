@@ -13,6 +13,7 @@ import time
 from typing import Any, Sequence
 
 from hsdjax.errors import HsdjaxError
+from hsdjax.sharding import add_mesh_args, mesh_from_args
 
 DEMO_PROMPT = ("Here is a Python function:\n\ndef mean(values):\n    total = 0\n    for v in values:\n"
                "        total += v\n    return total / len(values)\n\n"
@@ -62,6 +63,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=_positive_int, default=None, help="pld: candidate continuations per round")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    add_mesh_args(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-model", default=None)
     b.add_argument("--depth", type=_positive_int, default=None)
     b.add_argument("--width", type=_positive_int, default=None)
+    add_mesh_args(b)
 
     t = sub.add_parser("tune", help="choose the draft tree size for this device (cost vs acceptance)",
                        description="Measure verification cost against tree size and the method's acceptance on "
@@ -148,7 +151,7 @@ def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
     from hsdjax.api import Generator, load_model
 
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype, progress=not quiet)
+    model = load_model(args.model, dtype=args.dtype, progress=not quiet, mesh=mesh_from_args(args))
     gen = Generator(model, method=args.method, **_method_options(args))
     if not quiet:
         cached = "cached weights" if model.timings.get("cached") else "converted and cached weights"
@@ -272,7 +275,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     the greedy outputs are identical."""
     from hsdjax.api import Generator, load_model
 
-    model = load_model(args.model, dtype=args.dtype, progress=True)
+    model = load_model(args.model, dtype=args.dtype, progress=True, mesh=mesh_from_args(args))
     method = args.method if args.method != "ar" else "pld"
     _log(f"model {model.name}; prompt: {args.prompt!r}")
     runs = {}
@@ -301,7 +304,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     report = run_bench(args.model, methods, args.questions, args.out, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, limit=args.limit, seed=args.seed,
-                       method_options=_method_options(args))
+                       method_options=_method_options(args), mesh=mesh_from_args(args))
     from pathlib import Path
 
     print(Path(args.out, "report.md").read_text())

@@ -104,7 +104,7 @@ def finished(token: Int[Array, " B"], n_out: Int[Array, " B"], state: GenState, 
     return is_stop(token, state.stop_ids) | (n_out >= state.max_new) | (cache.length + spare >= cache.size)
 
 
-@partial(jax.jit, static_argnames=("cfg", "cache_size", "spare"))
+@partial(jax.jit, static_argnames=("cfg", "cache_size", "spare", "keep_layers"))
 def prefill(
     params: dict[str, Any],
     prompt: Int[Array, "B P"],
@@ -117,12 +117,14 @@ def prefill(
     cfg: ModelConfig,
     cache_size: int,
     spare: int = 1,
+    keep_layers: tuple[int, ...] = (),
 ) -> tuple[GenState, dict[str, Array]]:
     """Run the prompts (right-padded to P), fill the cache, choose each row's first new token.
 
     Rows with ``max_new`` 0 are padding: they start done. ``spare`` is the number of cache slots a
     step may need (1 for plain decoding, the tree size for speculative decoding). Also returns the
-    prompt's final hidden states (``hidden`` [B, P, E]) for drafters.
+    prompt's final hidden states (``hidden`` [B, P, E]) and, for drafters that read them, the states
+    of the ``keep_layers`` (``layers`` [F, B, P, E]).
     """
     model = Transformer(cfg)
     b, p = prompt.shape
@@ -139,7 +141,10 @@ def prefill(
                      max_new=max_new, keys=keys, sampling=sampling, stop_ids=stop_ids)
     state = state.replace(done=state.done | finished(first, state.n_out, state, cache, spare))
     # Only what drafters use leaves the program (the per-layer states of a long prompt are large).
-    return state, {"hidden": fwd["hidden"]}
+    out = {"hidden": fwd["hidden"]}
+    if keep_layers:
+        out["layers"] = jnp.stack([fwd["layers"][i] for i in keep_layers])
+    return state, out
 
 
 @struct.dataclass
@@ -148,6 +153,9 @@ class RoundStats:
 
     target_passes: Int[Array, " B"]
     draft_passes: Int[Array, " B"]  # drafter forward passes (its layer stack called once)
+    drafter_states: Int[Array, " B"]  # drafter states computed that can carry a draft (DraftCost.states)
+    reused_states: Int[Array, " B"]  # states a tree used that were computed in an earlier round
+    accepted_drafts: Int[Array, " B"]  # drafted tokens accepted (each used exactly one drafter state)
     tree_nodes: Int[Array, " B"]  # valid tree nodes verified, root included
     accept_hist: Int[Array, "B P"]  # accept_hist[b, k]: rounds that emitted k new tokens
     round_log: Int[Array, "B R"]  # round_log[b, r]: tokens emitted by round r (R = sequence buffer size)
@@ -155,7 +163,8 @@ class RoundStats:
     @classmethod
     def zeros(cls, batch: int, max_depth: int, max_rounds: int) -> "RoundStats":
         z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32), jnp.zeros((batch, max_rounds), jnp.int8))
+        return cls(z, z, z, z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
+                   jnp.zeros((batch, max_rounds), jnp.int8))
 
 
 @struct.dataclass
@@ -225,7 +234,7 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
     holds every row's valid nodes, so a round with few or no drafts costs a small target pass.
     """
     gen = state.gen
-    tree, draft, draft_passes = drafter.propose(dparams, state.draft, gen)
+    tree, draft, cost = drafter.propose(dparams, state.draft, gen)
     tiers = tuple(t for t in drafter.tiers if t < tree.num_nodes) + (tree.num_nodes,)
     if len(tiers) == 1:
         cache, verdict, emitted, path_states = verify_round(params, cfg, drafter, gen, tree)
@@ -241,7 +250,10 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
     st = state.stats
     stats = RoundStats(
         target_passes=st.target_passes + on,
-        draft_passes=st.draft_passes + draft_passes * on,
+        draft_passes=st.draft_passes + cost.passes * on,
+        drafter_states=st.drafter_states + cost.states * on,
+        reused_states=st.reused_states + cost.reused * on,
+        accepted_drafts=st.accepted_drafts + (verdict.n_path - 1) * on,
         tree_nodes=st.tree_nodes + jnp.sum(tree.valid, axis=1) * on,
         accept_hist=st.accept_hist + jax.nn.one_hot(n_emitted, st.accept_hist.shape[1], dtype=jnp.int32) * on[:, None],
         round_log=_log_round(st.round_log, st.target_passes, n_emitted, active),

@@ -87,8 +87,9 @@ def spec_max_active_setting(value: int | str | None) -> int | None:
 def build(model_name: str | None = None, method: str = "pld", *, dtype: str | None = None,
           max_batch: int = 8, max_queue: int = 64, max_context: int = 2048, rounds: int = 4,
           spec_max_active: int | str | None = "auto", method_options: dict[str, Any] | None = None,
-          warmup: bool = True) -> tuple[Any, Any]:
-    """Load the model, create the scheduler (not started) and the FastAPI app."""
+          warmup: bool = True, mesh: Any = None) -> tuple[Any, Any]:
+    """Load the model (sharded over ``mesh`` when given), create the scheduler (not started) and the
+    FastAPI app."""
     from hsdjax.api import load_model
     from hsdjax.serving.app import create_app
     from hsdjax.serving.metrics import Metrics
@@ -99,7 +100,7 @@ def build(model_name: str | None = None, method: str = "pld", *, dtype: str | No
     if max_context < 64:
         raise HsdjaxError(f"--max-context must be at least 64 (got {max_context})")
     spec_max_active = spec_max_active_setting(spec_max_active)
-    model = load_model(model_name, dtype=dtype)
+    model = load_model(model_name, dtype=dtype, mesh=mesh)
     sched = Scheduler(model, method, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
                       rounds=rounds, spec_max_active=spec_max_active, method_options=method_options,
                       metrics=Metrics(), warmup=warmup)
@@ -111,13 +112,16 @@ def run(args: argparse.Namespace) -> int:
     when it is ready), serve until interrupted."""
     import uvicorn
 
+    from hsdjax.sharding import mesh_from_args
+
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
     t0 = time.perf_counter()
     options = {k: getattr(args, k) for k in ("draft_model", "depth", "width") if getattr(args, k, None) is not None}
     app, sched = build(args.model, args.method, dtype=args.dtype, max_batch=args.max_batch,
                        max_queue=args.max_queue, max_context=args.max_context, rounds=args.rounds,
-                       spec_max_active=args.spec_max_active, method_options=options, warmup=not args.no_warmup)
+                       spec_max_active=args.spec_max_active, method_options=options, warmup=not args.no_warmup,
+                       mesh=mesh_from_args(args))
     log.info("loaded %s in %.1fs; method %s, batch <= %d, queue <= %d, context %d tokens; compiling",
              app.title and sched.model.name, time.perf_counter() - t0, sched.method, sched.max_batch,
              sched.max_queue, sched.context_limit)

@@ -74,7 +74,8 @@ def run_engine(cfg, params, prompts, max_new, drafter=None, dparams=(), chunks=N
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(b))
     gen, fwd = engine.prefill(params, jnp.array(arr), jnp.array([len(p) for p in prompts]),
                               jnp.full((b,), max_new, jnp.int32), SamplingParams.make(b, temperature, top_k, top_p),
-                              keys, engine.stop_array(stop), cfg=cfg, cache_size=s_bucket, spare=drafter.spare)
+                              keys, engine.stop_array(stop), cfg=cfg, cache_size=s_bucket, spare=drafter.spare,
+                              keep_layers=drafter.prompt_layers)
     state = engine.start_decoding(dparams, gen, fwd, drafter=drafter)
     for steps in chunks or [max_new]:
         state = engine.decode(params, dparams, state, jnp.int32(steps), cfg=cfg, drafter=drafter)

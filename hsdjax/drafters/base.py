@@ -6,12 +6,13 @@ LM weights, a trained drafter's params) is passed separately as ``dparams``; its
 (caches, reusable chain states) is an explicit pytree carried by the loop.
 
     init_state(dparams, gen, prompt_fwd) -> state
-    propose(dparams, state, gen) -> (tree, state, passes)
+    propose(dparams, state, gen) -> (tree, state, cost)
     observe(dparams, state, gen_before, gen_after, verdict, path_states) -> state
 
-``propose`` returns a ``DraftTree`` whose root is the newest token and the number of drafter forward
-passes it spent per row; ``observe`` sees the verdict and the target's hidden states along the
-accepted path, so feature drafters can extend their context.
+``propose`` returns a ``DraftTree`` whose root is the newest token and the round's ``DraftCost`` per
+row (drafter passes, drafter states computed, states reused from earlier rounds); ``observe`` sees
+the verdict and the target's hidden states along the accepted path, so feature drafters can extend
+their context. Drafters that read the prompt's hidden states name the layers in ``prompt_layers``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,29 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+from flax import struct
 from jaxtyping import Array, Int
 
 from hsdjax.tree import DraftTree, root_only
+
+
+@struct.dataclass
+class DraftCost:
+    """What one round of drafting cost, per row. ``passes``: calls of the drafter's network (a layer
+    stack over any number of inputs), including the ingest that follows verification; ``states``:
+    drafter states computed that can carry a draft (for ``eagle`` every tree node its layer processed,
+    for ``hsd`` every chain state, for ``sps`` every drafted token); ``reused``: states used by this
+    round's tree that were computed in an earlier round."""
+
+    passes: Int[Array, " B"]
+    states: Int[Array, " B"]
+    reused: Int[Array, " B"]
+
+    @classmethod
+    def of(cls, passes: Int[Array, " B"], states: Int[Array, " B"] | None = None) -> "DraftCost":
+        passes = passes.astype(jnp.int32)
+        return cls(passes=passes, states=passes if states is None else states.astype(jnp.int32),
+                   reused=jnp.zeros_like(passes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +62,17 @@ class Drafter(abc.ABC):
         """Cache / sequence slots one round may touch beyond the current length."""
         return self.num_nodes + self.max_depth + 2
 
+    @property
+    def prompt_layers(self) -> tuple[int, ...]:
+        """Target layers (indices into the forward's ``layers``) whose prompt states ``init_state`` reads."""
+        return ()
+
     def init_state(self, dparams: Any, gen: Any, prompt_fwd: dict[str, Array]) -> Any:
         return ()
 
     @abc.abstractmethod
-    def propose(self, dparams: Any, state: Any, gen: Any) -> tuple[DraftTree, Any, Int[Array, " B"]]:
-        """The next tree (root = ``gen.last_token()``), the new state, drafter passes per row."""
+    def propose(self, dparams: Any, state: Any, gen: Any) -> tuple[DraftTree, Any, DraftCost]:
+        """The next tree (root = ``gen.last_token()``), the new state, the round's cost per row."""
 
     def observe(self, dparams: Any, state: Any, gen_before: Any, gen_after: Any, verdict: Any,
                 path_states: dict[str, Array]) -> Any:
@@ -61,4 +87,4 @@ class ARDrafter(Drafter):
 
     def propose(self, dparams, state, gen):
         root = gen.last_token()
-        return root_only(root), state, jnp.zeros_like(root)
+        return root_only(root), state, DraftCost.of(jnp.zeros_like(root))

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from hsdjax.drafters.base import Drafter
+from hsdjax.drafters.base import DraftCost, Drafter
 from hsdjax.tree import chains_to_tree
 
 
@@ -50,4 +50,4 @@ class PromptLookupDrafter(Drafter):
         avail = jnp.clip(length[:, None] - where, 0, self.depth)  # continuation tokens inside the context
         lengths = jnp.where(top >= 0, avail, 0)
         tree = chains_to_tree(gen.last_token(), chains, lengths)
-        return tree, state, jnp.zeros((b,), jnp.int32)
+        return tree, state, DraftCost.of(jnp.zeros((b,), jnp.int32))

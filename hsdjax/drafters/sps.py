@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from hsdjax.config import ModelConfig
-from hsdjax.drafters.base import Drafter
+from hsdjax.drafters.base import DraftCost, Drafter
 from hsdjax.model import KVCache, Transformer, causal_mask, commit, init_cache
 from hsdjax.sampling import select_tokens, target_probs
 from hsdjax.tree import chain
@@ -80,7 +80,7 @@ class DraftLMDrafter(Drafter):
             if d + 1 < self.depth:
                 cache, logits = self._step(dparams, cache, token[:, None], jnp.ones((b,), jnp.int32))
         tree = chain(gen.last_token(), jnp.stack(drafts, axis=1), q_probs=jnp.stack(qs, axis=1))
-        return tree, DraftLMState(cache=cache), jnp.full((b,), self.depth, jnp.int32)
+        return tree, DraftLMState(cache=cache), DraftCost.of(jnp.full((b,), self.depth, jnp.int32))
 
     def observe(self, dparams, state, gen_before, gen_after, verdict, path_states):
         # The draft cache holds the verified prefix and drafts 1..depth-1; keep the accepted ones.

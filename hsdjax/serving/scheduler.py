@@ -216,7 +216,8 @@ class Scheduler:
         sampling = SamplingParams(temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p))
         gen, fwd = engine.prefill(self.params, jnp.asarray(prompt), jnp.asarray(lengths), jnp.asarray(budget),
                                   sampling, jnp.stack(keys), self.stop_ids, cfg=self.cfg,
-                                  cache_size=self.cache_size, spare=self.drafter.spare)
+                                  cache_size=self.cache_size, spare=self.drafter.spare,
+                                  keep_layers=self.drafter.prompt_layers)
         return engine.start_decoding(self.dparams, gen, fwd, drafter=self.drafter)
 
     def _admit(self) -> None:

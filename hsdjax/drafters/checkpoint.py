@@ -1,0 +1,121 @@
+"""Feature-drafter checkpoints: one safetensors file (bfloat16 weights + the draft vocabulary) whose
+metadata records the drafter's shape, the target it was trained for (name and weights fingerprint),
+its training sources and summary. Loading binds it to a loaded target: the head and the token
+embeddings come from the target's frozen weights, never from the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from hsdjax.drafters.feature import FeatureConfig
+from hsdjax.errors import HsdjaxError
+
+SHIPPED_DIR = Path(__file__).parent / "checkpoints"
+FORMAT = "hsdjax-feature-drafter/1"
+
+
+def shipped_path(model_name: str, method: str) -> Path:
+    return SHIPPED_DIR / f"{model_name}-{method}.safetensors"
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = np.asarray(value)
+    return out
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = tree
+        *path, leaf = name.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def save_drafter(path: Path, cfg: FeatureConfig, params: Any, vocab_ids: np.ndarray, layers: tuple[int, ...],
+                 target: Any, info: dict[str, Any]) -> Path:
+    """Write a checkpoint (weights in bfloat16)."""
+    from safetensors.numpy import save_file
+
+    tensors = {f"net.{k}": np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
+               for k, v in _flatten(jax.device_get(params)).items()}
+    tensors["vocab_ids"] = np.asarray(vocab_ids, np.int32)
+    meta = {"format": FORMAT, "config": json.dumps(cfg.to_json()), "layers": json.dumps(list(layers)),
+            "target": target.name, "target_fingerprint": target.fingerprint, "info": json.dumps(info)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+    return path
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same clear message
+        raise HsdjaxError(f"{path}: not a drafter checkpoint ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise HsdjaxError(f"{path}: not an hsdjax feature-drafter checkpoint")
+    return {"config": json.loads(meta["config"]), "layers": tuple(json.loads(meta["layers"])),
+            "target": meta["target"], "target_fingerprint": meta["target_fingerprint"],
+            "info": json.loads(meta.get("info", "{}"))}
+
+
+def load_drafter(path: str | Path, target: Any, method: str) -> tuple[FeatureConfig, tuple[int, ...], dict[str, Any],
+                                                                       dict[str, Any]]:
+    """(config, fused layers, dparams, metadata) of a checkpoint, bound to ``target``."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise HsdjaxError(f"drafter checkpoint not found: {path}")
+    meta = read_meta(path)
+    if meta["target_fingerprint"] != target.fingerprint:
+        raise HsdjaxError(f"{path.name} was trained for {meta['target']} (weights {meta['target_fingerprint'][:12]}), "
+                          f"not for {target.name} (weights {target.fingerprint[:12]}); train one with "
+                          "`hsdjax train-drafter`")
+    cfg = FeatureConfig(**meta["config"])
+    if cfg.method != method:
+        raise HsdjaxError(f"{path.name} is a {cfg.method} drafter, not {method}")
+    flat = load_file(str(path))
+    vocab_ids = flat.pop("vocab_ids").astype(np.int32)
+    net = _unflatten({k[4:]: v.astype(np.float32) for k, v in flat.items() if k.startswith("net.")})
+    return cfg, meta["layers"], bind(net, vocab_ids, target.params, target.cfg), meta
+
+
+def frozen_from_target(target: Any) -> dict[str, Any]:
+    return frozen_from_params(target.params, target.cfg)
+
+
+def frozen_from_params(params: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """The target's frozen pieces a drafter uses: token embeddings, LM head rows [V, E], final norm."""
+    embed = params["embed"]
+    head = embed if cfg.tie_embeddings else jnp.transpose(params["lm_head"])
+    return {"embed": embed, "head_full": head, "final_norm": params["final_norm"]}
+
+
+def bind(net: Any, vocab_ids: np.ndarray, params: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """``dparams`` of a feature drafter: its weights plus the target's frozen embeddings and head."""
+    frozen = frozen_from_params(params, cfg)
+    ids = jnp.asarray(vocab_ids, jnp.int32)
+    return {"net": jax.tree_util.tree_map(jnp.asarray, net), "embed": frozen["embed"],
+            "head": jnp.take(frozen["head_full"], ids, axis=0), "vocab_ids": ids}

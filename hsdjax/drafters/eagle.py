@@ -1,0 +1,116 @@
+"""`eagle`: the token-conditioned feature drafter baseline (EAGLE-2/3's idea, our implementation).
+
+The layer's input is ``fc([feature; embedding of the next token])``: the fused target state of a
+verified position, or the layer's own output for a drafted one. Every node of the draft tree needs
+its own pass of the layer (its token enters the input), so a tree of depth D costs D-1 layer passes
+over the frontier (with tree attention among a node's ancestors), plus one pass that ingests the
+verified path. It shares the network, head, tree builder and training data with `hsd` and has no
+reuse: it exists to measure what hidden-state drafting adds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float
+
+from hsdjax.drafters.base import Drafter, DraftCost
+from hsdjax.drafters.dynamic_tree import grow_tree
+from hsdjax.drafters.feature import (FeatureConfig, FeatureDrafterNet, attend_and_finish, init_context, ingest)
+
+
+@struct.dataclass
+class EagleState:
+    ctx: dict[str, Array]
+    root_out: Float[Array, "B E"]  # the layer's output at the last verified position
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(Drafter):
+    name: str = "eagle"
+    cfg: FeatureConfig | None = None
+    layers: tuple[int, ...] = ()
+    depth: int = 5
+    width: int = 4
+    budget: int = 8
+    min_prob: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
+        object.__setattr__(self, "max_depth", self.depth)
+        if not self.tiers:
+            object.__setattr__(self, "tiers", (1 + self.budget,))
+
+    @property
+    def prompt_layers(self) -> tuple[int, ...]:
+        return self.layers
+
+    def _net(self) -> FeatureDrafterNet:
+        return FeatureDrafterNet(self.cfg)
+
+    def _inputs(self, dparams, fused, next_tokens):
+        net, p = self._net(), dparams["net"]
+        feat = net.apply({"params": p}, fused, method=FeatureDrafterNet.fuse_states)
+        emb = net.apply({"params": p}, dparams["embed"], next_tokens, method=FeatureDrafterNet.embed)
+        return net.apply({"params": p}, feat, emb, method=FeatureDrafterNet.eagle_input)
+
+    def init_state(self, dparams, gen, prompt_fwd):
+        b, s = gen.seq.shape
+        states = jnp.moveaxis(prompt_fwd["layers"], 0, 2)  # [B, P, F, E]
+        p_len = states.shape[1]
+        x = self._inputs(dparams, states, gen.seq[:, 1: p_len + 1])
+        ctx, last = ingest(self._net(), dparams["net"], init_context(self.cfg, b, s), x, gen.prompt_len)
+        return EagleState(ctx=ctx, root_out=last)
+
+    def propose(self, dparams, state: EagleState, gen):
+        net, p = self._net(), dparams["net"]
+        c = self.cfg
+        b = gen.seq.shape[0]
+        k, depth = self.width, self.depth
+        m = max(depth - 1, 1) * k  # local slots: the processed frontier nodes of depths 1 .. D-1
+        head = dparams["head"]
+
+        def logp_of(out):
+            return jax.nn.log_softmax(net.apply({"params": p}, out, head, method=FeatureDrafterNet.logits), axis=-1)
+
+        first = logp_of(state.root_out)
+        root = gen.last_token()
+        local = (jnp.zeros((b, m, c.kv_heads, c.head_dim), jnp.float32),) * 2
+
+        def children(d, tokens, slots, parent_idx, carry):
+            outs, lk, lv, anc = carry  # outputs and ancestor masks of the previous frontier
+            parent_out = jnp.take_along_axis(outs, parent_idx[:, :, None], axis=1)
+            parent_anc = jnp.take_along_axis(anc, parent_idx[:, :, None], axis=1)
+            emb = net.apply({"params": p}, dparams["embed"], tokens, method=FeatureDrafterNet.embed)
+            x = net.apply({"params": p}, parent_out, emb, method=FeatureDrafterNet.eagle_input)
+            pos = jnp.broadcast_to((state.ctx["len"] + d - 1)[:, None], (b, k))
+            q, kk, vv = net.apply({"params": p}, x, pos, method=FeatureDrafterNet.project)
+            lo = (d - 1) * k
+            lk, lv = lk.at[:, lo: lo + k].set(kk), lv.at[:, lo: lo + k].set(vv)
+            own = jnp.zeros((b, k, m), bool).at[:, jnp.arange(k), lo + jnp.arange(k)].set(True)
+            mask = parent_anc | own
+            out = attend_and_finish(net, p, state.ctx, x, q, lk, lv, mask)
+            return logp_of(out), (out, lk, lv, mask)
+
+        carry = (state.root_out[:, None, :], *local, jnp.zeros((b, 1, m), bool))
+        tree, _, _ = grow_tree(root, first, children, carry, dparams["vocab_ids"], depth, k, self.budget,
+                               self.min_prob)
+        n = jnp.full((b,), depth, jnp.int32)  # D-1 frontier passes + the ingest after verification
+        cost = DraftCost(passes=n, states=1 + (depth - 1) * k * jnp.ones((b,), jnp.int32), reused=jnp.zeros_like(n))
+        return tree, state, cost
+
+    def observe(self, dparams, state: EagleState, gen_before, gen_after, verdict, path_states):
+        active = ~gen_before.done
+        count = jnp.where(active, verdict.n_path, 0)
+        fused = jnp.stack([path_states["layers"][i] for i in self.layers], axis=2)  # [B, P, F, E]
+        t = fused.shape[1]
+        idx = jnp.clip(gen_before.seq_len[:, None] + jnp.arange(t)[None, :], 0, gen_after.seq.shape[1] - 1)
+        next_tokens = jnp.take_along_axis(gen_after.seq, idx, axis=1)  # the token after each path node
+        ctx, last = ingest(self._net(), dparams["net"], state.ctx, self._inputs(dparams, fused, next_tokens), count)
+        root_out = jnp.where(active[:, None], last, state.root_out)
+        ctx = jax.tree_util.tree_map(lambda new, old: jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old),
+                                     ctx, state.ctx)
+        return EagleState(ctx=ctx, root_out=root_out)

@@ -1,0 +1,238 @@
+"""Feature drafters' network: the Flax module shared by `hsd` and `eagle`, and its attention helpers.
+
+Both drafters read the target's hidden states of the verified context (a fusion of a low, a middle and
+a high layer, each RMS-normed, projected to the target width) and run one decoder layer sized like
+the target's (grouped-query attention with RoPE, SwiGLU MLP) with its own KV cache. They differ in
+how tokens enter:
+
+* ``hsd`` (hidden-state drafting): the layer's input is a fused target state or the layer's own
+  previous output; no token embedding enters the chain. Tokens are injected late by ``g``, which
+  turns a predicted state plus the embeddings of the path's last tokens into a state for the head.
+  Two forms of ``g``: ``mlp`` (residual MLP over the concatenation) and ``film`` (a gated scale and
+  shift computed from the token embeddings).
+* ``eagle`` (token-conditioned features): the layer's input is ``fc([feature; embedding of the next
+  token])``, so every tree node needs its own pass of the layer.
+
+The head is the target's frozen LM head restricted to a draft vocabulary (``vocab_ids``), applied
+after a learned RMS norm. Target embeddings are frozen inputs, never drafter parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from hsdjax.model import NEG_INF, apply_rope, rms_norm, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+    """Shape and form of a feature drafter (stored in its checkpoint)."""
+
+    method: str  # "hsd" | "eagle"
+    hidden: int  # the target's hidden size E
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int  # draft vocabulary size
+    fused: int = 3  # number of target layers fused at the input
+    injection: str = "mlp"  # hsd: "mlp" | "film"
+    inject_tokens: int = 2  # hsd: embeddings of the path's last tokens given to g
+    eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _init(scale: float = 0.02):
+    return nn.initializers.normal(stddev=scale)
+
+
+class DraftLayer(nn.Module):
+    """One pre-norm decoder layer; attention is computed outside (``project`` then ``finish``) so the
+    same weights serve training rollouts, cached inference and tree attention."""
+
+    cfg: FeatureConfig
+
+    def setup(self):
+        c = self.cfg
+        e, h, k, d = c.hidden, c.heads, c.kv_heads, c.head_dim
+        self.attn_norm = self.param("attn_norm", nn.initializers.ones, (e,))
+        self.mlp_norm = self.param("mlp_norm", nn.initializers.ones, (e,))
+        self.wq = self.param("wq", _init(), (e, h * d))
+        self.wk = self.param("wk", _init(), (e, k * d))
+        self.wv = self.param("wv", _init(), (e, k * d))
+        self.wo = self.param("wo", _init(0.02 / math.sqrt(2)), (h * d, e))
+        self.w_gate = self.param("w_gate", _init(), (e, c.mlp))
+        self.w_up = self.param("w_up", _init(), (e, c.mlp))
+        self.w_down = self.param("w_down", _init(0.02 / math.sqrt(2)), (c.mlp, e))
+
+    def project(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"]):
+        """Queries [B, T, H, D], keys and values [B, T, K, D] (RoPE applied)."""
+        c = self.cfg
+        b, t, _ = x.shape
+        y = rms_norm(x, self.attn_norm, c.eps)
+        q = (y @ self.wq).reshape(b, t, c.heads, c.head_dim)
+        k = (y @ self.wk).reshape(b, t, c.kv_heads, c.head_dim)
+        v = (y @ self.wv).reshape(b, t, c.kv_heads, c.head_dim)
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, x: Float[Array, "B T E"], attn: Float[Array, "B T H D"]) -> Float[Array, "B T E"]:
+        b, t = x.shape[:2]
+        x = x + attn.reshape(b, t, -1) @ self.wo
+        y = rms_norm(x, self.mlp_norm, self.cfg.eps)
+        return x + (jax.nn.silu(y @ self.w_gate) * (y @ self.w_up)) @ self.w_down
+
+    def __call__(self, x, positions):  # for init only
+        q, k, v = self.project(x, positions)
+        return self.finish(x, q)
+
+
+class FeatureDrafterNet(nn.Module):
+    """Parameters and pieces of a feature drafter; the drafters call its methods via ``apply``."""
+
+    cfg: FeatureConfig
+
+    def setup(self):
+        c = self.cfg
+        e = c.hidden
+        self.fuse_norm = self.param("fuse_norm", nn.initializers.ones, (c.fused, e))
+        self.fuse = self.param("fuse", _init(), (c.fused * e, e))
+        self.emb_norm = self.param("emb_norm", nn.initializers.ones, (e,))
+        self.out_norm = self.param("out_norm", nn.initializers.ones, (e,))
+        self.layer = DraftLayer(c)
+        if c.method == "eagle":
+            self.fc = self.param("fc", _init(), (2 * e, e))
+        elif c.injection == "mlp":
+            width = (1 + c.inject_tokens) * e
+            self.g_in = self.param("g_in", _init(), (width, e))
+            self.g_out = self.param("g_out", _init(0.01), (e, e))
+        elif c.injection == "film":
+            width = c.inject_tokens * e
+            self.g_scale = self.param("g_scale", _init(0.01), (width, e))
+            self.g_shift = self.param("g_shift", _init(0.01), (width, e))
+        else:
+            raise ValueError(f"unknown injection {c.injection!r}")
+
+    # -- inputs
+    def fuse_states(self, states: Float[Array, "... F E"]) -> Float[Array, "... E"]:
+        """Fused target states (each layer RMS-normed, concatenated, projected)."""
+        y = rms_norm(states, self.fuse_norm, self.cfg.eps)
+        return y.reshape(*y.shape[:-2], -1) @ self.fuse
+
+    def embed(self, embed_table: Float[Array, "V E"], tokens: Int[Array, "..."]) -> Float[Array, "... E"]:
+        return rms_norm(jnp.take(embed_table, tokens, axis=0), self.emb_norm, self.cfg.eps)
+
+    def eagle_input(self, feature: Float[Array, "... E"], token_emb: Float[Array, "... E"]) -> Float[Array, "... E"]:
+        return jnp.concatenate([feature, token_emb], axis=-1) @ self.fc
+
+    # -- the layer
+    def project(self, x, positions):
+        return self.layer.project(x, positions)
+
+    def finish(self, x, attn):
+        return self.layer.finish(x, attn)
+
+    # -- outputs
+    def inject(self, state: Float[Array, "... E"], token_embs: Float[Array, "... N E"]) -> Float[Array, "... E"]:
+        """``g``: a predicted state plus the embeddings of the path's last tokens (newest first)."""
+        c = self.cfg
+        flat = token_embs.reshape(*token_embs.shape[:-2], -1)
+        if c.injection == "mlp":
+            y = jnp.concatenate([rms_norm(state, jnp.ones_like(self.out_norm), c.eps), flat], axis=-1)
+            return state + jax.nn.silu(y @ self.g_in) @ self.g_out
+        return state * (1 + jnp.tanh(flat @ self.g_scale)) + flat @ self.g_shift
+
+    def logits(self, state: Float[Array, "... E"], head: Float[Array, "V E"]) -> Float[Array, "... V"]:
+        """Draft-vocabulary logits through the target's frozen head rows."""
+        y = rms_norm(state, self.out_norm, self.cfg.eps)
+        return jnp.einsum("...e,ve->...v", y, head, preferred_element_type=jnp.float32)
+
+    def __call__(self, states, tokens_emb, positions):  # touches every parameter, for init
+        x = self.fuse_states(states)
+        if self.cfg.method == "eagle":
+            x = self.eagle_input(x, tokens_emb[..., 0, :])
+        q, k, v = self.project(x, positions)
+        out = self.finish(x, q)
+        if self.cfg.method == "hsd":
+            out = self.inject(out, tokens_emb)
+        return out
+
+
+def init_net(cfg: FeatureConfig, seed: int = 0) -> dict[str, Any]:
+    """Fresh drafter parameters."""
+    b, t = 1, 2
+    n_tok = cfg.inject_tokens if cfg.method == "hsd" else 1
+    variables = FeatureDrafterNet(cfg).init(
+        jax.random.PRNGKey(seed), jnp.zeros((b, t, cfg.fused, cfg.hidden)), jnp.zeros((b, t, n_tok, cfg.hidden)),
+        jnp.zeros((b, t), jnp.int32))
+    return jax.tree_util.tree_map(lambda a: a, dict(variables["params"]))
+
+
+def gqa_attention(q: Float[Array, "B T H D"], k: Float[Array, "B S K D"], v: Float[Array, "B S K D"],
+                  mask: Bool[Array, "B T S"]) -> Float[Array, "B T H D"]:
+    """Masked grouped-query attention of T queries over S keys (jnp; small shapes only)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inference: the drafter's cache over the verified context, shared by `hsd` and `eagle`.
+
+CTX_PAD = 64  # context-cache slots beyond the sequence buffer (an ingest may write past the end)
+
+
+def init_context(cfg: FeatureConfig, batch: int, size: int) -> dict[str, Array]:
+    """An empty context cache: keys/values by absolute position, and the ingested length."""
+    shape = (batch, size + CTX_PAD, cfg.kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32),
+            "len": jnp.zeros((batch,), jnp.int32)}
+
+
+def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
+           count: Int[Array, " B"]) -> tuple[dict[str, Array], Float[Array, "B E"]]:
+    """Run the drafter layer over ``count`` new verified inputs per row (positions ``ctx["len"]`` ...),
+    append their keys/values to the context cache, and return the output at the last one (the
+    prediction for the next position). Rows with ``count`` 0 are unchanged (their output is junk)."""
+    b, t, _ = x.shape
+    start = ctx["len"]
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    q, k, v = net.apply({"params": params}, x, positions, method=FeatureDrafterNet.project)
+    write = jax.vmap(lambda buf, upd, s: jax.lax.dynamic_update_slice(buf, upd, (s, 0, 0)))
+    keep = (jnp.arange(t)[None, :] < count[:, None])[:, :, None, None]
+    old_k = jax.vmap(lambda buf, s: jax.lax.dynamic_slice(buf, (s, 0, 0), (t, *buf.shape[1:])))(ctx["k"], start)
+    old_v = jax.vmap(lambda buf, s: jax.lax.dynamic_slice(buf, (s, 0, 0), (t, *buf.shape[1:])))(ctx["v"], start)
+    ck = write(ctx["k"], jnp.where(keep, k, old_k), start)
+    cv = write(ctx["v"], jnp.where(keep, v, old_v), start)
+    s = ck.shape[1]
+    mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]
+    out = net.apply({"params": params}, x, gqa_attention(q, ck, cv, mask), method=FeatureDrafterNet.finish)
+    last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    return {"k": ck, "v": cv, "len": start + count}, last
+
+
+def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
+                      q: Float[Array, "B T H D"], local_k: Float[Array, "B M K D"], local_v: Float[Array, "B M K D"],
+                      local_mask: Bool[Array, "B T M"]) -> Float[Array, "B T E"]:
+    """New inputs ``x`` (queries ``q``) attend to the whole verified context plus the local keys
+    their mask allows (chain states, or tree ancestors and themselves); then the rest of the layer."""
+    s = ctx["k"].shape[1]
+    ctx_mask = jnp.arange(s)[None, None, :] < ctx["len"][:, None, None]
+    keys = jnp.concatenate([ctx["k"], local_k], axis=1)
+    values = jnp.concatenate([ctx["v"], local_v], axis=1)
+    mask = jnp.concatenate([jnp.broadcast_to(ctx_mask, (*local_mask.shape[:2], s)), local_mask], axis=2)
+    return net.apply({"params": params}, x, gqa_attention(q, keys, values, mask), method=FeatureDrafterNet.finish)

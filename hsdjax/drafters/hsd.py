@@ -1,0 +1,164 @@
+"""`hsd`: hidden-state drafting with late token injection and draft reuse (the headline method).
+
+The chain (one decoder layer) predicts the target's next hidden states from the fused states of the
+verified context and from its own predictions, never from a token. ``chain[j]`` is the guess for
+the state at position ``root + j``. A tree is grown by injection: the children of a depth-d node
+come from ``g(chain[d], embeddings of the node's token and its parent's)`` through the head, all
+nodes of a depth in one batched call, so the chain runs once per depth, not per node.
+
+After verification accepts ``a`` drafts, the verified states are ingested (one layer pass, whose
+last output is a fresh guess for the new root position) and the chain is shifted by ``a + 1``: its
+states beyond the accepted path are still guesses for the positions that follow, so the next round
+reuses them and only extends the chain by the missing depths. The refresh policy decides when to
+throw the kept states away instead: ``reuse`` (never), ``refresh`` (always), or ``minN`` (when
+fewer than N kept states remain).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+from hsdjax.drafters.base import Drafter, DraftCost
+from hsdjax.drafters.dynamic_tree import grow_tree
+from hsdjax.drafters.feature import (FeatureConfig, FeatureDrafterNet, attend_and_finish, init_context, ingest)
+
+POLICIES = ("reuse", "refresh", "min1", "min2", "min3")
+
+
+@struct.dataclass
+class HSDState:
+    ctx: dict[str, Array]  # drafter keys/values of the verified context, by position
+    chain: Float[Array, "B C E"]  # chain[j]: predicted state at position ctx.len + j
+    chain_k: Float[Array, "B C K D"]  # keys/values of chain[j] as the layer input at that position
+    chain_v: Float[Array, "B C K D"]
+    n_chain: Int[Array, " B"]  # valid chain states (>= 1)
+    fresh: Int[Array, "B C"]  # 1 where the state was computed in the current round
+
+
+@dataclasses.dataclass(frozen=True)
+class HSDDrafter(Drafter):
+    name: str = "hsd"
+    cfg: FeatureConfig | None = None
+    layers: tuple[int, ...] = ()  # fused target layer indices (into the forward's ``layers``)
+    depth: int = 5
+    width: int = 4
+    budget: int = 8  # nodes verified besides the root
+    min_prob: float = 0.0
+    policy: str = "reuse"
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
+        object.__setattr__(self, "max_depth", self.depth)
+        if not self.tiers:
+            object.__setattr__(self, "tiers", (1 + self.budget,))
+
+    @property
+    def prompt_layers(self) -> tuple[int, ...]:
+        return self.layers
+
+    def _net(self) -> FeatureDrafterNet:
+        return FeatureDrafterNet(self.cfg)
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, dparams, gen, prompt_fwd):
+        b, s = gen.seq.shape
+        c = self.cfg
+        states = jnp.moveaxis(prompt_fwd["layers"], 0, 2)  # [B, P, F, E]
+        x = self._net().apply({"params": dparams["net"]}, states, method=FeatureDrafterNet.fuse_states)
+        ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len)
+        size = self.depth + 1
+        return HSDState(
+            ctx=ctx, chain=jnp.zeros((b, size, c.hidden), jnp.float32).at[:, 0].set(first),
+            chain_k=jnp.zeros((b, size, c.kv_heads, c.head_dim), jnp.float32),
+            chain_v=jnp.zeros((b, size, c.kv_heads, c.head_dim), jnp.float32),
+            n_chain=jnp.ones((b,), jnp.int32), fresh=jnp.zeros((b, size), jnp.int32).at[:, 0].set(1))
+
+    # ------------------------------------------------------------------ chain
+    def _chain_step(self, dparams, st: HSDState, j: int) -> HSDState:
+        """chain[j+1] from chain[j] (rows whose chain is exactly j+1 long)."""
+        net, p = self._net(), dparams["net"]
+        b = st.chain.shape[0]
+        x = st.chain[:, j: j + 1]
+        pos = (st.ctx["len"] + j)[:, None]
+        q, k, v = net.apply({"params": p}, x, pos, method=FeatureDrafterNet.project)
+        ck = st.chain_k.at[:, j].set(k[:, 0])
+        cv = st.chain_v.at[:, j].set(v[:, 0])
+        local_mask = (jnp.arange(ck.shape[1]) <= j)[None, None, :].repeat(b, 0)
+        out = attend_and_finish(net, p, st.ctx, x, q, ck, cv, local_mask)[:, 0]
+        need = st.n_chain == j + 1
+        return st.replace(
+            chain=jnp.where(need[:, None, None], st.chain.at[:, j + 1].set(out), st.chain),
+            chain_k=jnp.where(need[:, None, None, None], ck, st.chain_k),
+            chain_v=jnp.where(need[:, None, None, None], cv, st.chain_v),
+            n_chain=jnp.where(need, j + 2, st.n_chain),
+            fresh=jnp.where(need[:, None], st.fresh.at[:, j + 1].set(1), st.fresh))
+
+    def _extend(self, dparams, st: HSDState, active) -> tuple[HSDState, Int[Array, " B"]]:
+        """Make sure ``depth`` chain states exist; one chain step per missing depth, skipped when no
+        active row needs it. Returns the state and the chain steps per row."""
+        steps = jnp.zeros_like(st.n_chain)
+        for j in range(self.depth - 1):
+            need = (st.n_chain == j + 1) & active
+            steps = steps + need.astype(jnp.int32)
+            st = jax.lax.cond(jnp.any(need), lambda s, j=j: self._chain_step(dparams, s, j), lambda s: s, st)
+        return st, steps
+
+    # ------------------------------------------------------------------ rounds
+    def propose(self, dparams, state: HSDState, gen):
+        net, p = self._net(), dparams["net"]
+        active = ~gen.done
+        st, steps = self._extend(dparams, state, active)
+        root = gen.last_token()
+        prev = jnp.take_along_axis(gen.seq, jnp.maximum(gen.seq_len - 2, 0)[:, None], axis=1)[:, 0]
+        embed, head = dparams["embed"], dparams["head"]
+
+        def inject_logp(state_vec, tokens, parent_tokens):  # [B, E], [B, K], [B, K] -> [B, K, V]
+            toks = jnp.stack([tokens, parent_tokens], axis=-1)[..., : self.cfg.inject_tokens]
+            embs = net.apply({"params": p}, embed, toks, method=FeatureDrafterNet.embed)
+            s = jnp.broadcast_to(state_vec[:, None, :], (*tokens.shape, state_vec.shape[-1]))
+            g = net.apply({"params": p}, s, embs, method=FeatureDrafterNet.inject)
+            return jax.nn.log_softmax(net.apply({"params": p}, g, head, method=FeatureDrafterNet.logits), axis=-1)
+
+        first = inject_logp(st.chain[:, 0], root[:, None], prev[:, None])[:, 0]
+
+        def children(d, tokens, slots, parent_idx, prev_tokens):
+            parent_tokens = jnp.take_along_axis(prev_tokens, parent_idx, axis=1)
+            return inject_logp(st.chain[:, d], tokens, parent_tokens), tokens
+
+        tree, _, _ = grow_tree(root, first, children, root[:, None], dparams["vocab_ids"], self.depth,
+                               self.width, self.budget, self.min_prob)
+        used_depths = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain states the tree used
+        reused = jnp.sum((jnp.arange(self.depth)[None, :] < used_depths[:, None]) & (st.fresh[:, : self.depth] == 0),
+                         axis=1)
+        cost = DraftCost(passes=steps + 1, states=steps + 1, reused=reused)  # +1: the ingest after verification
+        return tree, st.replace(fresh=jnp.zeros_like(st.fresh)), cost
+
+    def observe(self, dparams, state: HSDState, gen_before, gen_after, verdict, path_states):
+        net, p = self._net(), dparams["net"]
+        active = ~gen_before.done
+        count = jnp.where(active, verdict.n_path, 0)
+        fused = jnp.stack([path_states["layers"][i] for i in self.layers], axis=2)  # [B, P, F, E]
+        x = net.apply({"params": p}, fused, method=FeatureDrafterNet.fuse_states)
+        ctx, fresh_state = ingest(net, p, state.ctx, x, count)
+        # shift the chain by the advance; the fresh ingest output replaces the kept guess for the root
+        size = state.chain.shape[1]
+        idx = jnp.arange(size)[None, :] + count[:, None]
+        take = lambda a: jnp.take_along_axis(a, jnp.minimum(idx, size - 1).reshape(*idx.shape, *([1] * (a.ndim - 2))),  # noqa: E731
+                                             axis=1)
+        kept = jnp.maximum(state.n_chain - count, 0)
+        n_chain = jnp.maximum(kept, 1)
+        if self.policy == "refresh":
+            n_chain = jnp.ones_like(n_chain)
+        elif self.policy.startswith("min"):
+            n_chain = jnp.where(kept - 1 >= int(self.policy[3:]), n_chain, 1)
+        new = HSDState(ctx=ctx, chain=take(state.chain).at[:, 0].set(fresh_state), chain_k=take(state.chain_k),
+                       chain_v=take(state.chain_v), n_chain=n_chain,
+                       fresh=jnp.zeros_like(state.fresh).at[:, 0].set(1))
+        keep_old = lambda a, b: jnp.where(active.reshape(-1, *([1] * (a.ndim - 1))), b, a)  # noqa: E731
+        return jax.tree_util.tree_map(keep_old, state, new)

@@ -1,0 +1,121 @@
+"""`hsd` and `eagle`: lossless (greedy = `ar` token for token, sampling keeps the distribution), reuse
+really happens, counters add up, checkpoints bind only to their target, training learns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jax
+import jax.numpy as jnp
+
+from hsdjax.drafters.checkpoint import bind
+from hsdjax.drafters.eagle import EagleDrafter
+from hsdjax.drafters.feature import FeatureConfig, init_net
+from hsdjax.drafters.hsd import POLICIES, HSDDrafter
+from hsdjax.model import init_params
+from hsdjax.train.datagen import fused_layer_indices
+from tests.conftest import TINY_LLAMA, TINY_QWEN, run_engine
+from tests.test_spec import SMALL, exact_joint, pooled_pvalue, sample_joint, sharp_params
+
+
+def feature_drafter(cfg, params, method, seed=0, vocab=None, sharpen=4.0, **opts):
+    """A random (untrained) drafter of ``method`` for a tiny target; weights scaled so its
+    proposals vary (a random drafter is still a drafter: losslessness must not depend on quality)."""
+    vocab = vocab or min(cfg.vocab_size, 40)
+    fc = FeatureConfig(method=method, hidden=cfg.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=32,
+                       vocab=vocab, rope_theta=cfg.rope_theta, injection=opts.pop("injection", "mlp"))
+    net = jax.tree_util.tree_map(lambda a: a * sharpen if a.ndim == 2 else a, init_net(fc, seed))
+    ids = np.sort(np.random.RandomState(seed).choice(cfg.vocab_size, vocab, replace=False)).astype(np.int32)
+    layers = fused_layer_indices(cfg.num_layers)[:3]
+    cls = HSDDrafter if method == "hsd" else EagleDrafter
+    return cls(cfg=fc, layers=layers, **opts), bind(net, ids, params, cfg)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def target(request):
+    cfg = TINY_LLAMA if request.param == "llama" else TINY_QWEN
+    return cfg, init_params(cfg, seed=1)
+
+
+def prompts_of(seed, vocab, n):
+    rng = np.random.RandomState(seed)
+    return [list(rng.randint(0, vocab, rng.randint(2, 30))) for _ in range(n)]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), max_new=st.integers(1, 40), depth=st.integers(1, 5), width=st.integers(1, 4))
+def test_hsd_and_eagle_greedy_equal_ar(target, seed, max_new, depth, width):
+    cfg, params = target
+    prompts = prompts_of(seed, cfg.vocab_size, 3)
+    want = run_engine(cfg, params, prompts, max_new)
+    budget = max(1, depth * width - 1)
+    for method in ("hsd", "eagle"):
+        drafter, dparams = feature_drafter(cfg, params, method, seed=seed % 7, depth=depth, width=width, budget=budget)
+        got = run_engine(cfg, params, prompts, max_new, drafter=drafter, dparams=dparams, chunks=[3, max_new])
+        assert got == want, method
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_hsd_policies_are_lossless_and_reuse_counts(target, policy):
+    cfg, params = target
+    prompts = prompts_of(5, cfg.vocab_size, 2)
+    want = run_engine(cfg, params, prompts, 40)
+    drafter, dparams = feature_drafter(cfg, params, "hsd", policy=policy, depth=5, width=2, budget=6, injection="film")
+    got, state = run_engine(cfg, params, prompts, 40, drafter=drafter, dparams=dparams, return_state=True)
+    assert got == want
+    s = jax.tree_util.tree_map(np.asarray, state.stats)
+    rounds = s.target_passes
+    # every round ingests once and computes its chain states; refresh recomputes depth-1 states per round
+    assert np.all(s.draft_passes >= rounds)
+    assert np.all(s.drafter_states == s.draft_passes)
+    if policy == "refresh":
+        assert np.all(s.reused_states == 0)
+        assert np.all(s.drafter_states == rounds * drafter.depth)
+    if policy == "reuse":
+        assert np.all(s.drafter_states < rounds * drafter.depth)  # kept states were not recomputed
+        assert np.any(s.reused_states > 0)
+
+
+def test_eagle_counts_every_processed_node(target):
+    cfg, params = target
+    drafter, dparams = feature_drafter(cfg, params, "eagle", depth=4, width=3, budget=6)
+    _, state = run_engine(cfg, params, prompts_of(1, cfg.vocab_size, 2), 30, drafter=drafter, dparams=dparams,
+                          return_state=True)
+    s = jax.tree_util.tree_map(np.asarray, state.stats)
+    assert np.all(s.drafter_states == s.target_passes * (1 + 3 * 3))
+    assert np.all(s.draft_passes == s.target_passes * 4)
+    assert np.all(s.accepted_drafts <= s.drafter_states)
+
+
+@pytest.mark.parametrize("method", ["hsd", "eagle"])
+def test_feature_drafter_sampling_matches_plain_sampling(method):
+    """Joint distribution of the first three sampled tokens with a feature drafter's trees."""
+    params = sharp_params(3)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    drafter, dparams = feature_drafter(SMALL, params, method, seed=2, vocab=6, depth=2, width=2, budget=4)
+    counts = sample_joint(SMALL, params, prompt, drafter, dparams, 1.0, 1.0)
+    assert pooled_pvalue(counts, exact_joint(SMALL, params, prompt, 1.0, 1.0)) > 1e-3
+
+
+def test_tree_keeps_best_nodes_with_their_ancestors():
+    from hsdjax.drafters.dynamic_tree import grow_tree
+
+    v, depth, width, budget = 12, 3, 3, 5
+    rng = np.random.RandomState(0)
+    tables = jnp.asarray(jax.nn.log_softmax(rng.randn(depth, v) * 3, axis=-1))
+
+    def children(d, tokens, slots, parent_idx, carry):
+        return jnp.broadcast_to(tables[d], (1, width, v)), carry
+
+    tree, cum, _ = grow_tree(jnp.array([0]), tables[0][None], children, None, jnp.arange(v), depth, width, budget)
+    valid = np.asarray(tree.valid[0])
+    parents = np.asarray(tree.parents[0])
+    assert valid.sum() == 1 + budget
+    for i in np.nonzero(valid)[0][1:]:
+        assert valid[parents[i]]
+    kept = np.asarray(cum[0])[valid][1:]
+    dropped = np.asarray(cum[0])[~valid]
+    assert kept.min() >= dropped.max()

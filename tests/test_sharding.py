@@ -1,0 +1,257 @@
+"""Sharded targets (``hsdjax.sharding``): mesh strings, param specs, and sharded == single-device runs.
+
+The multi-device checks need 8 devices (``--xla_force_host_platform_device_count=8``), but this pytest
+process already initialised JAX with one CPU device, so they run in one subprocess (``_worker``) that
+does them all and prints a JSON report; the tests below read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hsdjax import sharding
+from hsdjax.config import ModelConfig
+from hsdjax.errors import HsdjaxError
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
+# 8 query / 8 KV heads, vocabulary 128: attention, MLP and vocabulary all split over model=8
+HEADS8 = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=8, num_kv_heads=8, head_dim=8, max_context=512, scan_layers=False)
+# SmolLM2's head layout (9 query / 3 KV heads): attention replicated; vocabulary 97 does not divide,
+# so the embedding is split on its width; untied head, Qwen-style biases, scanned layers
+HEADS3 = ModelConfig(family="qwen2", vocab_size=97, hidden_size=72, intermediate_size=96, num_layers=2,
+                     num_heads=9, num_kv_heads=3, head_dim=8, max_context=512, tie_embeddings=False,
+                     qkv_bias=True, scan_layers=True)
+
+
+# ------------------------------------------------------------------------------------------ mesh strings
+def test_parse_mesh_accepts_both_axes_and_defaults_missing_ones_to_1():
+    assert sharding.parse_mesh("data=1,model=8", devices=8) == {"data": 1, "model": 8}
+    assert sharding.parse_mesh(" model = 4 , data=2 ", devices=8) == {"data": 2, "model": 4}
+    assert sharding.parse_mesh("model=8", devices=8) == {"data": 1, "model": 8}
+    assert sharding.parse_mesh("data=1", devices=1) == {"data": 1, "model": 1}
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("", "empty mesh"),
+    ("tensor=8", "unknown mesh axis 'tensor'"),
+    ("data=1,model=x", "whole number"),
+    ("model=2.5", "whole number"),
+    ("model=0,data=8", "at least 1"),
+    ("model=-8", "at least 1"),
+    ("model", "expected AXIS=SIZE"),
+    ("data=2,data=4", "given twice"),
+    ("data=2,model=2", "needs 4 devices, but 8 are available"),
+    ("model=16", "needs 16 devices"),
+])
+def test_parse_mesh_errors_are_one_line(spec, needle):
+    with pytest.raises(HsdjaxError, match=needle) as info:
+        sharding.parse_mesh(spec, devices=8)
+    assert "\n" not in str(info.value)
+
+
+def test_make_mesh_on_this_process():
+    assert sharding.make_mesh(None) is None
+    mesh = sharding.make_mesh("data=1,model=1")
+    assert mesh.axis_names == ("data", "model") and sharding.mesh_shape(mesh) == {"data": 1, "model": 1}
+    assert sharding.make_mesh(mesh) is mesh
+    assert sharding.mesh_devices(None) == 1 and sharding.mesh_shape(None) == {"data": 1, "model": 1}
+    with pytest.raises(HsdjaxError, match="needs 2 devices, but 1 is available"):
+        sharding.make_mesh({"model": 2})
+    with pytest.raises(HsdjaxError, match="unknown mesh axis"):
+        sharding.make_mesh({"pipe": 1})
+
+
+def test_mesh_cli_helpers():
+    parser = argparse.ArgumentParser()
+    sharding.add_mesh_args(parser)
+    assert sharding.mesh_from_args(parser.parse_args([])) is None
+    mesh = sharding.mesh_from_args(parser.parse_args(["--mesh", "model=1"]))
+    assert sharding.mesh_shape(mesh) == {"data": 1, "model": 1}
+    with pytest.raises(HsdjaxError, match="needs 8 devices"):
+        sharding.mesh_from_args(parser.parse_args(["--mesh", "data=1,model=8"]))
+
+
+def test_distributed_settings_from_environment():
+    env = {"HSDJAX_COORDINATOR": "10.0.0.1:1234", "HSDJAX_NUM_PROCESSES": "4", "HSDJAX_PROCESS_ID": "3"}
+    assert sharding.distributed_settings(env) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
+                                                  "process_id": 3}
+    assert sharding.distributed_settings({}) == {}  # left to JAX's auto-detection (TPU pods, SLURM, ...)
+    with pytest.raises(HsdjaxError, match="HSDJAX_NUM_PROCESSES must be a whole number"):
+        sharding.distributed_settings({"HSDJAX_NUM_PROCESSES": "four"})
+    with pytest.raises(HsdjaxError, match="must be below"):
+        sharding.distributed_settings({"HSDJAX_NUM_PROCESSES": "2", "HSDJAX_PROCESS_ID": "2"})
+
+
+def test_cli_bad_mesh_is_one_clear_line():
+    proc = subprocess.run([sys.executable, "-m", "hsdjax.cli", "generate", "--prompt", "hi", "--mesh", "data=1,model=x"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 2
+    assert "whole number" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------ param specs
+def _specs(cfg: ModelConfig, model: int) -> dict:
+    from hsdjax.model import init_params
+
+    class FakeMesh:  # param_specs only reads the axis sizes
+        shape = {"data": 8 // model, "model": model}
+
+    return sharding.param_specs(cfg, jax.eval_shape(lambda: init_params(cfg)), FakeMesh())
+
+
+def test_param_specs_split_heads_only_when_they_divide():
+    P = jax.sharding.PartitionSpec
+    s8 = _specs(HEADS8, 8)["blocks_0"]
+    assert (s8["wq"], s8["wk"], s8["wv"], s8["wo"]) == (P(None, "model"),) * 3 + (P("model", None),)
+    assert (s8["w_gate"], s8["w_up"], s8["w_down"]) == (P(None, "model"), P(None, "model"), P("model", None))
+    assert _specs(HEADS8, 8)["embed"] == P("model", None)  # vocabulary split
+    s3 = _specs(HEADS3, 8)
+    layers = s3["layers"]  # stacked [L, ...]: the layer axis is never split
+    assert layers["wq"] == layers["bk"] == layers["wo"] == P()  # 3 KV heads: attention replicated
+    assert (layers["w_gate"], layers["w_down"]) == (P(None, None, "model"), P(None, "model", None))
+    assert s3["embed"] == P(None, "model") and s3["lm_head"] == P("model", None)  # 97 rows: split the width
+    assert s3["final_norm"] == P()
+    assert _specs(HEADS3.replace(num_heads=12, num_kv_heads=4), 4)["layers"]["bq"] == P(None, "model")
+
+
+# ------------------------------------------------------------------------------------------ 8 devices
+@pytest.fixture(scope="module")
+def eight_devices():
+    """Run ``_worker`` on 8 forced CPU devices; its JSON report."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
+               JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", "from tests.test_sharding import _worker; _worker()"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_worker_sees_eight_devices(eight_devices):
+    assert eight_devices["devices"] == 8
+
+
+@pytest.mark.parametrize("name", ["heads8", "heads3"])
+def test_sharded_logits_and_cache_equal_single_device(eight_devices, name):
+    """Prefill on a 2x4 mesh: 8 KV heads split over model=4, or 3 KV heads (attention replicated)."""
+    r = eight_devices["prefill"][name]
+    assert r["max_abs_diff"] < 1e-5 and r["cache_max_abs_diff"] < 1e-5, r
+    assert r["argmax_equal"]
+
+
+def test_kv_cache_split_by_heads(eight_devices):
+    """Cache rows split on data (2), the 8 KV heads on model (4); 3 KV heads stay whole."""
+    assert eight_devices["prefill"]["heads8"]["cache_shard"] == [1, 2, 256, 8]  # per layer [B, K, S, D]
+    assert eight_devices["prefill"]["heads3"]["cache_shard"] == [2, 1, 3, 256, 8]  # stacked [L, B, K, S, D]
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+@pytest.mark.parametrize("mesh", MESHES)
+def test_greedy_output_equals_single_device(eight_devices, method, mesh):
+    r = eight_devices["greedy"]
+    got = r[f"{method}@{mesh}"]
+    assert got["tokens"] == r["reference"], (method, mesh)
+    assert got["devices"] == 8 and got["mesh"] == sharding.parse_mesh(mesh, devices=8)
+
+
+def test_streaming_on_a_mesh_equals_single_device(eight_devices):
+    r = eight_devices["greedy"]
+    assert r["stream@data=2,model=4"] == r["reference"][0]
+
+
+# ------------------------------------------------------------------------------------------ the worker
+class _StubTokenizer:
+    """Enough of ``Tokenizer`` for ``Generator`` on token-id prompts."""
+
+    stop_ids = ()
+    _byte_level = False
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _model(cfg: ModelConfig, params: dict, mesh: str | None):
+    from hsdjax.api import LoadedModel
+
+    m = sharding.make_mesh(mesh)
+    return LoadedModel("tiny", cfg, sharding.shard_params(cfg, params, m), _StubTokenizer(), None,
+                       "tiny-sharding-test", {}, m)
+
+
+def _prefill_check(cfg: ModelConfig, params: dict, mesh: str) -> dict:
+    """``engine.prefill`` of two prompts on one device and on ``mesh``: the LM head's logits at every
+    prompt position, the KV cache, and how the sharded cache is split."""
+    import jax.numpy as jnp
+
+    from hsdjax import engine
+    from hsdjax.model import Transformer
+    from hsdjax.sampling import SamplingParams
+
+    prompt = np.zeros((2, 32), np.int32)
+    prompt[:, :11] = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 11))
+    inputs = dict(prompt=prompt, prompt_len=np.array([11, 7], np.int32), max_new=np.full((2,), 4, np.int32),
+                  sampling=SamplingParams.make(2, 0.0, 0, 1.0), keys=np.zeros((2, 2), np.uint32),
+                  stop_ids=np.asarray(engine.stop_array([])))
+    head = jax.jit(lambda p, h: Transformer(cfg).apply({"params": p}, h, method=Transformer.logits))
+
+    def run(m):
+        placed = sharding.shard_params(cfg, params, m)
+        gen, fwd = engine.prefill(placed, *sharding.place_inputs(inputs, m).values(), cfg=cfg, cache_size=256)
+        k = gen.cache.k[-1] if isinstance(gen.cache.k, tuple) else gen.cache.k
+        return np.asarray(head(placed, fwd["hidden"]))[:, :11], k
+
+    (single, k1), (sharded, k8) = run(None), run(sharding.make_mesh(mesh))
+    return {"max_abs_diff": float(np.max(np.abs(sharded - single))),
+            "argmax_equal": bool((sharded.argmax(-1) == single.argmax(-1)).all()),
+            "cache_max_abs_diff": float(np.max(np.abs(np.asarray(k8) - np.asarray(k1)))),
+            "cache_shard": list(k8.sharding.shard_shape(k8.shape))}
+
+
+def _worker() -> None:
+    """The 8-device checks (run in a subprocess by the ``eight_devices`` fixture); prints JSON."""
+    from hsdjax.api import Generator, enable_compilation_cache
+    from hsdjax.model import init_params
+
+    t0 = time.perf_counter()
+    enable_compilation_cache()
+    assert jax.device_count() == 8, jax.devices()
+    p8, p3 = init_params(HEADS8, seed=3), init_params(HEADS3, seed=4)
+    report: dict = {"devices": jax.device_count()}
+    report["prefill"] = {"heads8": _prefill_check(HEADS8, p8, "data=2,model=4"),
+                         "heads3": _prefill_check(HEADS3, p3, "data=2,model=4")}
+
+    rng = np.random.RandomState(5)
+    prompts = []
+    for n in range(8):  # repetitive prompts, so prompt lookup finds matches; batch 8 splits on data
+        motif = rng.randint(0, HEADS8.vocab_size, 3 + n % 4).tolist()
+        prompts.append((motif * 4)[: 6 + 2 * n])
+    options = {"ar": {}, "pld": {"depth": 3, "width": 1}}
+    greedy: dict = {}
+    ref = Generator(_model(HEADS8, p8, None), "ar").generate(prompts, max_new_tokens=12)
+    greedy["reference"] = [r.tokens for r in ref]
+    for mesh in MESHES:
+        for method in ("ar", "pld"):
+            gen = Generator(_model(HEADS8, p8, mesh), method, **options[method])
+            results = gen.generate(prompts, max_new_tokens=12)
+            stats = results[0].to_json()
+            print(f"{method}@{mesh}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            greedy[f"{method}@{mesh}"] = {"tokens": [r.tokens for r in results], "devices": stats["devices"],
+                                          "mesh": stats["mesh"], "tokens_per_pass": stats["mean_accepted_length"]}
+            if method == "ar" and mesh == "data=2,model=4":  # repeated calls of one compiled decode program
+                "".join(gen.stream(prompts[0], max_new_tokens=12, chunk_steps=5))
+                greedy[f"stream@{mesh}"] = gen.last_result.tokens
+    report["greedy"] = greedy
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(report))

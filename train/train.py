@@ -1,0 +1,266 @@
+"""Drafter training: multi-step rollout ("training-time test") with optax, orbax checkpoints, resume.
+
+The data are flat token streams with the target's recorded states (see ``datagen``). Training takes
+windows of W tokens. Step 1 of the rollout runs the drafter layer causally over the window's fused
+target states (within each sequence): its output at t predicts the target's state at t+1. Step s
+feeds the previous step's outputs back (``hsd``: the output itself; ``eagle``: with the embedding of
+the next true token) at position t+s-1; each query attends to the true context up to t and to its
+own earlier rollout inputs, exactly what the drafter sees at inference. At each step the loss is a
+soft cross-entropy against the target's top-k distribution over the draft vocabulary (``hsd``:
+through ``g`` with the true path tokens) plus a smooth-L1 regression to the target's final state,
+weighted by ``step_decay ** (s-1)``; prompt tokens are weighted by ``prompt_weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Bool, Float, Int
+
+from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, init_net
+from hsdjax.errors import HsdjaxError
+from hsdjax.model import NEG_INF, rms_norm
+
+TRAIN_DEFAULTS = {
+    "window": 256, "batch": 8, "rollout": 4, "epochs": 2, "lr": 1e-3, "warmup": 50, "weight_decay": 0.01,
+    "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "prompt_weight": 0.3, "holdout": 0.02,
+    "save_every_s": 600, "seed": 0, "max_steps": 0,
+}
+
+
+def draft_vocab(top_ids: np.ndarray, size: int, vocab_size: int) -> np.ndarray:
+    """The ``size`` tokens the target predicts most often (top-1), sorted by id."""
+    counts = np.bincount(top_ids[:, 0], minlength=vocab_size)
+    ids = np.argsort(-counts, kind="stable")[:size]
+    return np.sort(ids).astype(np.int32)
+
+
+def _shift(a: Array, s: int, fill: Any = 0) -> Array:
+    """a[:, t + s] at position t (``fill`` past the end)."""
+    if s == 0:
+        return a
+    pad = jnp.full((a.shape[0], s, *a.shape[2:]), fill, a.dtype)
+    return jnp.concatenate([a[:, s:], pad], axis=1)
+
+
+def rollout_attention(q: Float[Array, "B T H D"], k_true: Float[Array, "B T K D"], v_true: Float[Array, "B T K D"],
+                      mask: Bool[Array, "B T T"], own_k: list[Array], own_v: list[Array]) -> Float[Array, "B T H D"]:
+    """Each query t attends to the true keys its mask allows and to its own rollout keys."""
+    b, t, h, d = q.shape
+    kv = k_true.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scale = 1 / math.sqrt(d)
+    ctx = jnp.einsum("btkgd,bskd->bkgts", qg, k_true) * scale
+    ctx = jnp.where(mask[:, None, None], ctx, NEG_INF)
+    own = [jnp.einsum("btkgd,btkd->bkgt", qg, k)[..., None] * scale for k in own_k]
+    probs = jax.nn.softmax(jnp.concatenate([ctx, *own], axis=-1), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], v_true)
+    for i, v in enumerate(own_v):
+        out = out + jnp.einsum("bkgt,btkd->btkgd", probs[..., t + i], v)
+    return out.reshape(b, t, h, d)
+
+
+def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array], cfg: FeatureConfig,
+                 opts: dict[str, Any]) -> tuple[Array, dict[str, Array]]:
+    """Loss of one batch of windows and per-step metrics (accuracy of the draft's top-1)."""
+    net = FeatureDrafterNet(cfg)
+    call = lambda method, *a: net.apply({"params": params}, *a, method=method)  # noqa: E731
+    tokens, doc, weight = batch["tokens"], batch["doc"], batch["weight"]
+    b, t = tokens.shape
+    states = batch["states"].astype(jnp.float32)  # [B, T, F+1, E]
+    target_h = rms_norm(states[:, :, -1], frozen["final_norm"], cfg.eps)
+    feats = call(FeatureDrafterNet.fuse_states, states[:, :, :-1])
+    emb = lambda ids: call(FeatureDrafterNet.embed, frozen["embed"], ids)  # noqa: E731
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    i = jnp.arange(t)
+    mask = (i[None, :, None] >= i[None, None, :]) & (doc[:, :, None] == doc[:, None, :])
+    x = feats if cfg.method == "hsd" else call(FeatureDrafterNet.eagle_input, feats, emb(_shift(tokens, 1)))
+    q, k_true, v_true = call(FeatureDrafterNet.project, x, pos)
+    own_k, own_v = [], []
+    attn = rollout_attention(q, k_true, v_true, mask, own_k, own_v)
+    out = call(FeatureDrafterNet.finish, x, attn)
+    total, metrics = 0.0, {}
+    for s in range(1, opts["rollout"] + 1):
+        if s > 1:  # feed the previous prediction back at position t+s-1
+            x = out if cfg.method == "hsd" else call(FeatureDrafterNet.eagle_input, out, emb(_shift(tokens, s)))
+            q, k, v = call(FeatureDrafterNet.project, x, pos + s - 1)
+            own_k.append(k)
+            own_v.append(v)
+            out = call(FeatureDrafterNet.finish, x, rollout_attention(q, k_true, v_true, mask, own_k, own_v))
+        ok = (_shift(doc, s, -1) == doc) & (i[None, :] + s < t)
+        w = _shift(weight, s) * ok
+        if cfg.method == "hsd":
+            path = jnp.stack([_shift(tokens, s), _shift(tokens, s - 1)], axis=-1)[..., : cfg.inject_tokens]
+            logits = call(FeatureDrafterNet.logits, call(FeatureDrafterNet.inject, out, emb(path)), frozen["head"])
+        else:
+            logits = call(FeatureDrafterNet.logits, out, frozen["head"])
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        top_draft = _shift(batch["top_draft"], s, -1)  # [B, T, k] draft-vocab index or -1
+        top_p = jax.nn.softmax(_shift(batch["top_logits"], s).astype(jnp.float32), axis=-1)
+        in_vocab = top_draft >= 0
+        picked = jnp.take_along_axis(logp, jnp.maximum(top_draft, 0), axis=-1)
+        ce = -jnp.sum(jnp.where(in_vocab, top_p * picked, 0.0), axis=-1)
+        reg = jnp.mean(optax.huber_loss(out, _shift(target_h, s)), axis=-1)
+        denom = jnp.maximum(jnp.sum(w), 1.0)
+        step_loss = jnp.sum(w * (opts["ce_weight"] * ce + opts["reg_weight"] * reg)) / denom
+        total = total + opts["step_decay"] ** (s - 1) * step_loss
+        correct = (jnp.argmax(logp, axis=-1) == top_draft[..., 0]) & in_vocab[..., 0]
+        metrics[f"acc{s}"] = jnp.sum(correct * ok * (weight > 0.99)) / jnp.maximum(jnp.sum(ok * (weight > 0.99)), 1)
+        metrics[f"correct{s}"] = correct & ok
+        if s == 1:
+            metrics["anchor"] = ok & (_shift(weight, 1) > 0.99)  # answer positions with a next token
+    return total, metrics
+
+
+def chain_acceptance(metrics: dict[str, Array], rollout: int) -> Array:
+    """Mean accepted length of a width-1 greedy chain of ``rollout`` drafts, from per-step top-1
+    correctness along the true path (+1 for the target's own token)."""
+    run = jnp.ones_like(metrics["correct1"], jnp.float32)
+    acc = jnp.zeros_like(run)
+    for s in range(1, rollout + 1):
+        run = run * metrics[f"correct{s}"]
+        acc = acc + run
+    valid = metrics["anchor"]
+    return 1 + jnp.sum(acc * valid) / jnp.maximum(jnp.sum(valid), 1)
+
+
+class WindowData:
+    """Windows of the flat stream, as batches of numpy arrays."""
+
+    def __init__(self, data: dict[str, np.ndarray], vocab_map: np.ndarray, window: int, prompt_weight: float,
+                 docs: np.ndarray):
+        keep = np.isin(data["doc"], docs)
+        self.tokens = data["tokens"][keep]
+        self.doc = data["doc"][keep]
+        self.weight = np.where(data["answer"][keep], 1.0, prompt_weight).astype(np.float32)
+        self.states = data["states"][keep]
+        self.top_logits = data["top_logits"][keep]
+        self.top_draft = vocab_map[data["top_ids"][keep]]
+        self.window = window
+        self.starts = np.arange(0, max(len(self.tokens) - window, 1), window)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def batch(self, starts: np.ndarray) -> dict[str, np.ndarray]:
+        w = self.window
+        idx = starts[:, None] + np.arange(w)[None, :]
+        idx = np.minimum(idx, len(self.tokens) - 1)
+        return {"tokens": self.tokens[idx], "doc": self.doc[idx], "weight": self.weight[idx],
+                "states": self.states[idx], "top_logits": self.top_logits[idx], "top_draft": self.top_draft[idx]}
+
+
+def make_optimizer(opts: dict[str, Any], total_steps: int) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, opts["lr"], min(opts["warmup"], max(total_steps // 10, 1)),
+                                                  max(total_steps, 2), end_value=opts["lr"] * 0.05)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, weight_decay=opts["weight_decay"]))
+
+
+def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any], vocab_ids: np.ndarray,
+          opts: dict[str, Any], ckpt_dir: Path, *, progress: bool = True, log: Any = print) -> dict[str, Any]:
+    """Train (or resume training) a drafter; returns the final params and the evaluation history."""
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    opts = {**TRAIN_DEFAULTS, **opts}
+    vocab_map = np.full((frozen["embed"].shape[0],), -1, np.int32)
+    vocab_map[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
+    docs = np.unique(data["doc"])
+    n_hold = max(1, int(len(docs) * opts["holdout"]))
+    train_set = WindowData(data, vocab_map, opts["window"], opts["prompt_weight"], docs[:-n_hold])
+    eval_set = WindowData(data, vocab_map, opts["window"], opts["prompt_weight"], docs[-n_hold:])
+    steps_per_epoch = max(len(train_set) // opts["batch"], 1)
+    total = steps_per_epoch * opts["epochs"]
+    if opts["max_steps"]:
+        total = min(total, opts["max_steps"])
+    optimizer = make_optimizer(opts, total)
+    frozen_j = {k: jnp.asarray(v) for k, v in frozen.items()}
+    static_opts = {k: opts[k] for k in ("rollout", "step_decay", "ce_weight", "reg_weight")}
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        (loss, metrics), grads = jax.value_and_grad(rollout_loss, has_aux=True)(params, batch, frozen_j, cfg,
+                                                                                static_opts)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, {k: v for k, v in metrics.items()
+                                                                        if k.startswith("acc")}
+
+    @jax.jit
+    def eval_step(params, batch):
+        loss, metrics = rollout_loss(params, batch, frozen_j, cfg, static_opts)
+        return loss, chain_acceptance(metrics, opts["rollout"]), {k: v for k, v in metrics.items()
+                                                                  if k.startswith("acc")}
+
+    params = init_net(cfg, opts["seed"])
+    opt_state = optimizer.init(params)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    manager = ocp.CheckpointManager(ckpt_dir.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    step, history = 0, []
+    if manager.latest_step() is not None:
+        restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(
+            {"params": params, "opt_state": opt_state, "step": 0}))
+        params, opt_state, step = restored["params"], restored["opt_state"], int(restored["step"])
+        hist_path = ckpt_dir / "history.json"
+        history = json.loads(hist_path.read_text()) if hist_path.exists() else []
+        log(f"resumed from step {step} of {total}")
+
+    def save(at: int) -> None:
+        manager.save(at, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state, "step": at}))
+        manager.wait_until_finished()
+        (ckpt_dir / "history.json").write_text(json.dumps(history, indent=1))
+
+    def evaluate() -> dict[str, float]:
+        n = max(min(len(eval_set) // opts["batch"], 8), 1)
+        rows = []
+        for j in range(n):
+            starts = eval_set.starts[j * opts["batch"]:(j + 1) * opts["batch"]]
+            if len(starts) < opts["batch"]:
+                starts = np.resize(eval_set.starts, opts["batch"])
+            loss, acc_len, m = eval_step(params, eval_set.batch(starts))
+            rows.append({"loss": float(loss), "chain_accept": float(acc_len), **{k: float(v) for k, v in m.items()}})
+        return {k: round(float(np.mean([r[k] for r in rows])), 4) for k in rows[0]}
+
+    rng = np.random.default_rng(opts["seed"])
+    bar = tqdm(total=total, initial=step, unit="step", desc=f"train {cfg.method}", disable=not progress)
+    last_save = time.monotonic()
+    t0 = time.perf_counter()
+    while step < total:
+        epoch = step // steps_per_epoch
+        order = np.random.default_rng(opts["seed"] + epoch).permutation(len(train_set))
+        j = step % steps_per_epoch
+        starts = train_set.starts[order[j * opts["batch"]:(j + 1) * opts["batch"]]]
+        if len(starts) < opts["batch"]:
+            starts = rng.choice(train_set.starts, opts["batch"])
+        params, opt_state, loss, m = train_step(params, opt_state, train_set.batch(starts))
+        step += 1
+        bar.update(1)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(m['acc1']):.3f}")
+        end_of_epoch = step % steps_per_epoch == 0 or step == total
+        if end_of_epoch:
+            ev = evaluate()
+            history.append({"step": step, "epoch": step / steps_per_epoch, "train_loss": round(float(loss), 4),
+                            "seconds": round(time.perf_counter() - t0, 1), **ev})
+            log(f"step {step}: held-out {ev}")
+        if end_of_epoch or time.monotonic() - last_save > opts["save_every_s"]:
+            save(step)
+            last_save = time.monotonic()
+    bar.close()
+    if not history:
+        history.append({"step": step, **evaluate()})
+    return {"params": params, "history": history, "steps": step, "train_windows": len(train_set),
+            "eval_windows": len(eval_set)}
+
+
+def check_data(data: dict[str, np.ndarray], need_layers: int) -> None:
+    if data["states"].shape[1] != need_layers:
+        raise HsdjaxError(f"drafter data has {data['states'].shape[1]} recorded layers, expected {need_layers}")
