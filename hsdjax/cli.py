@@ -56,7 +56,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="registered model name (see `hsdjax models`), a .gguf file, or a HF folder "
                         "(default: smollm2-135m)")
-    p.add_argument("--method", default="ar", help="decoding method: ar, pld, sps (default: ar)")
+    p.add_argument("--method", default="ar", help="decoding method: ar, pld, sps, hsd, eagle (default: ar)")
+    p.add_argument("--drafter", default=None,
+                   help="hsd/eagle: a drafter checkpoint (default: the one shipped for --model)")
+    p.add_argument("--budget", type=_positive_int, default=None,
+                   help="hsd/eagle: tree nodes verified per round besides the root")
+    p.add_argument("--policy", default=None, help="hsd: chain refresh policy: reuse, refresh, min1, min2, min3")
     p.add_argument("--draft-model", default=None,
                    help="sps: the draft LM (default: the registry's draft model for --model)")
     p.add_argument("--depth", type=_positive_int, default=None, help="speculative: draft depth (tokens per guess)")
@@ -134,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-model", default=None)
     t.add_argument("--write", action="store_true")
 
+    tr = sub.add_parser("train-drafter", help="generate self-distillation data and train an hsd/eagle drafter",
+                        description="Run a drafter config (configs/drafter-*.json): the target answers the "
+                                    "training prompts (resumable), then the drafter trains (resumable) and is "
+                                    "exported as a bfloat16 checkpoint for --drafter.")
+    tr.add_argument("config", help="drafter config (JSON)")
+    tr.add_argument("--stage", choices=("data", "train", "all"), default="all")
+    tr.add_argument("--out", default=None, help="checkpoint path (default: in the run folder under the cache)")
+    tr.add_argument("--token-budget", type=_positive_int, default=None, help="override the data token budget")
+    tr.add_argument("--max-steps", type=_positive_int, default=None, help="stop training after N steps")
+    tr.add_argument("--epochs", type=_float_in(0.0, 1000.0, lo_open=True), default=None)
+    add_mesh_args(tr)
+
     d = sub.add_parser("demo", help="generate a short chat answer with the default model and show tokens/s")
     _add_model_args(d)
     d.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -161,7 +178,8 @@ def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
 
 
 def _method_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("draft_model", "depth", "width") if getattr(args, k, None) is not None}
+    keys = ("draft_model", "depth", "width", "budget", "policy", "drafter")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def _read_prompt(text: str) -> str:
@@ -270,6 +288,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     raise HsdjaxError(f"unknown models action {action!r}")
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from hsdjax.train.pipeline import run
+
+    mesh_from_args(args)  # validates the option; training runs data-parallel over it when given
+    summary = run(args.config, stage=args.stage, out=args.out, token_budget=args.token_budget,
+                  max_steps=args.max_steps, epochs=args.epochs, log=_log)
+    print(json.dumps(summary.get("checkpoint", summary["data"])))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Plain decoding and a speculative method side by side on one chat prompt, with the check that
     the greedy outputs are identical."""
@@ -332,7 +360,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "tune": cmd_tune, "generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "demo": cmd_demo}
+COMMANDS = {"bench": cmd_bench, "tune": cmd_tune, "generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "demo": cmd_demo,
+            "train-drafter": cmd_train_drafter}
 
 
 def _add_serve_parser(sub: Any) -> None:

@@ -22,7 +22,7 @@ def test_generate_json_end_to_end():
     assert proc.returncode == 0, proc.stderr
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("text", "new_tokens", "prefill_s", "decode_s", "seconds", "tokens_per_s", "decode_tokens_per_s",
-                "compile_s", "devices"):
+                "compile_s", "devices", "mesh"):
         assert key in stats, key
     assert 1 <= stats["new_tokens"] <= 24
     assert "4" in stats["text"]

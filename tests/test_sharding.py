@@ -131,8 +131,12 @@ def test_param_specs_split_heads_only_when_they_divide():
 @pytest.fixture(scope="module")
 def eight_devices():
     """Run ``_worker`` on 8 forced CPU devices; its JSON report."""
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
-               JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore")
+    # LLVM's cheap settings halve XLA:CPU compile time (the runs are tiny); both sides of every
+    # comparison are compiled with them
+    flags = " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 " \
+            "--xla_llvm_disable_expensive_passes=true"
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + flags, JAX_PLATFORMS="cpu",
+               PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", "from tests.test_sharding import _worker; _worker()"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -229,8 +233,10 @@ def _worker() -> None:
     assert jax.device_count() == 8, jax.devices()
     p8, p3 = init_params(HEADS8, seed=3), init_params(HEADS3, seed=4)
     report: dict = {"devices": jax.device_count()}
+    times = {"start": round(time.perf_counter() - t0, 1)}
     report["prefill"] = {"heads8": _prefill_check(HEADS8, p8, "data=2,model=4"),
                          "heads3": _prefill_check(HEADS3, p3, "data=2,model=4")}
+    times["prefill"] = round(time.perf_counter() - t0, 1)
 
     rng = np.random.RandomState(5)
     prompts = []
@@ -241,17 +247,20 @@ def _worker() -> None:
     greedy: dict = {}
     ref = Generator(_model(HEADS8, p8, None), "ar").generate(prompts, max_new_tokens=12)
     greedy["reference"] = [r.tokens for r in ref]
+    times["reference"] = round(time.perf_counter() - t0, 1)
     for mesh in MESHES:
         for method in ("ar", "pld"):
             gen = Generator(_model(HEADS8, p8, mesh), method, **options[method])
             results = gen.generate(prompts, max_new_tokens=12)
             stats = results[0].to_json()
-            print(f"{method}@{mesh}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            times[f"{method}@{mesh}"] = round(time.perf_counter() - t0, 1)
             greedy[f"{method}@{mesh}"] = {"tokens": [r.tokens for r in results], "devices": stats["devices"],
                                           "mesh": stats["mesh"], "tokens_per_pass": stats["mean_accepted_length"]}
             if method == "ar" and mesh == "data=2,model=4":  # repeated calls of one compiled decode program
                 "".join(gen.stream(prompts[0], max_new_tokens=12, chunk_steps=5))
                 greedy[f"stream@{mesh}"] = gen.last_result.tokens
+                times["stream"] = round(time.perf_counter() - t0, 1)
     report["greedy"] = greedy
+    report["times"] = times
     report["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report))

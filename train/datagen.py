@@ -74,6 +74,8 @@ def top_k_blocked(logits: Array, k: int, block: int = 512) -> tuple[Array, Array
     hold the top k, so only k*block candidates are sorted. (On XLA's CPU backend ``lax.top_k``
     over the whole vocabulary is a full sort, about 60x slower here.)"""
     *lead, v = logits.shape
+    if v <= k * block:
+        return jax.lax.top_k(logits, k)
     pad = (-v) % block
     if pad:
         logits = jnp.concatenate([logits, jnp.full((*lead, pad), -jnp.inf, logits.dtype)], axis=-1)
@@ -131,9 +133,7 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
     writer = DataWriter(folder, meta)
     man = writer.manifest
     budget = int(data_cfg.get("token_budget", 1_000_000))
-    if man["complete"] or man["tokens"] >= budget:
-        man["complete"] = True
-        writer.save()
+    if man["complete"] or man["tokens"] >= budget:  # complete = every prompt used; a larger budget continues
         return man
     prompts = read_prompts(data_cfg["prompts"], list(data_cfg.get("exclude_sources", [])))
     gen = Generator(model, "ar")
@@ -169,7 +169,7 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
         bar.update(min(arrays["tokens"].shape[0], max(budget - bar.n, 0)))
         bar.set_postfix(prompts=index, answer_tok=man["answer_tokens"])
     bar.close()
-    man["complete"] = True
+    man["complete"] = index >= len(prompts)
     writer.save()
     return man
 
@@ -221,15 +221,19 @@ def _generate_recorded(gen: Any, rows: list[list[int]], max_new: int, temperatur
     inputs, _, s_bucket = gen._batch(rows, max_new, temperature, 0, 1.0, seed)
     state, _, _ = gen._prefill(inputs, s_bucket)
     program, _ = gen._decode_program(state)
-    state = program(state, max_new)
+    return flatten_recorded(program(state, max_new), [len(r) for r in rows])
+
+
+def flatten_recorded(state: Any, prompt_lens: list[int]) -> dict[str, np.ndarray]:
+    """The recorded rows of a finished ``DecodeState`` (of a ``RecordingDrafter``) as one stream."""
     rec = jax.tree_util.tree_map(np.asarray, state.draft)
     seq, seq_len = np.asarray(state.gen.seq), np.asarray(state.gen.seq_len)
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("tokens", "doc", "answer", "states", "top_logits", "top_ids")}
-    for i, r in enumerate(rows):
+    for i, p_len in enumerate(prompt_lens):
         n = int(seq_len[i]) - 1
         out["tokens"].append(seq[i, :n].astype(np.int32))
         out["doc"].append(np.full((n,), i, np.int32))
-        out["answer"].append(np.arange(n) >= len(r))
+        out["answer"].append(np.arange(n) >= p_len)
         out["states"].append(rec["states"][i, :n].view(np.uint16))  # bfloat16 bits (npz has no bfloat16)
         out["top_logits"].append(rec["top_logits"][i, :n])
         out["top_ids"].append(rec["top_ids"][i, :n])

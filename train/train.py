@@ -30,7 +30,7 @@ from hsdjax.errors import HsdjaxError
 from hsdjax.model import NEG_INF, rms_norm
 
 TRAIN_DEFAULTS = {
-    "window": 256, "batch": 8, "rollout": 4, "epochs": 2, "lr": 1e-3, "warmup": 50, "weight_decay": 0.01,
+    "window": 256, "batch": 8, "rollout": 4, "epochs": 2.0, "lr": 1e-3, "warmup": 50, "weight_decay": 0.01,
     "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "prompt_weight": 0.3, "holdout": 0.02,
     "save_every_s": 600, "seed": 0, "max_steps": 0,
 }
@@ -114,6 +114,8 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
         total = total + opts["step_decay"] ** (s - 1) * step_loss
         correct = (jnp.argmax(logp, axis=-1) == top_draft[..., 0]) & in_vocab[..., 0]
         metrics[f"acc{s}"] = jnp.sum(correct * ok * (weight > 0.99)) / jnp.maximum(jnp.sum(ok * (weight > 0.99)), 1)
+        metrics[f"acc_ce{s}"] = jnp.sum(w * ce) / denom  # "acc" prefix: reported with the accuracies
+        metrics[f"acc_reg{s}"] = jnp.sum(w * reg) / denom
         metrics[f"correct{s}"] = correct & ok
         if s == 1:
             metrics["anchor"] = ok & (_shift(weight, 1) > 0.99)  # answer positions with a next token
@@ -179,7 +181,7 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     train_set = WindowData(data, vocab_map, opts["window"], opts["prompt_weight"], docs[:-n_hold])
     eval_set = WindowData(data, vocab_map, opts["window"], opts["prompt_weight"], docs[-n_hold:])
     steps_per_epoch = max(len(train_set) // opts["batch"], 1)
-    total = steps_per_epoch * opts["epochs"]
+    total = max(int(steps_per_epoch * opts["epochs"]), 1)
     if opts["max_steps"]:
         total = min(total, opts["max_steps"])
     optimizer = make_optimizer(opts, total)
@@ -187,7 +189,7 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     static_opts = {k: opts[k] for k in ("rollout", "step_decay", "ce_weight", "reg_weight")}
 
     @jax.jit
-    def train_step(params, opt_state, batch):
+    def train_step(params, opt_state, batch, frozen_j):
         (loss, metrics), grads = jax.value_and_grad(rollout_loss, has_aux=True)(params, batch, frozen_j, cfg,
                                                                                 static_opts)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -195,7 +197,7 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
                                                                         if k.startswith("acc")}
 
     @jax.jit
-    def eval_step(params, batch):
+    def eval_step(params, batch, frozen_j):
         loss, metrics = rollout_loss(params, batch, frozen_j, cfg, static_opts)
         return loss, chain_acceptance(metrics, opts["rollout"]), {k: v for k, v in metrics.items()
                                                                   if k.startswith("acc")}
@@ -225,7 +227,7 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
             starts = eval_set.starts[j * opts["batch"]:(j + 1) * opts["batch"]]
             if len(starts) < opts["batch"]:
                 starts = np.resize(eval_set.starts, opts["batch"])
-            loss, acc_len, m = eval_step(params, eval_set.batch(starts))
+            loss, acc_len, m = eval_step(params, eval_set.batch(starts), frozen_j)
             rows.append({"loss": float(loss), "chain_accept": float(acc_len), **{k: float(v) for k, v in m.items()}})
         return {k: round(float(np.mean([r[k] for r in rows])), 4) for k in rows[0]}
 
@@ -240,7 +242,7 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
         starts = train_set.starts[order[j * opts["batch"]:(j + 1) * opts["batch"]]]
         if len(starts) < opts["batch"]:
             starts = rng.choice(train_set.starts, opts["batch"])
-        params, opt_state, loss, m = train_step(params, opt_state, train_set.batch(starts))
+        params, opt_state, loss, m = train_step(params, opt_state, train_set.batch(starts), frozen_j)
         step += 1
         bar.update(1)
         if step % 10 == 0:

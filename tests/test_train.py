@@ -1,0 +1,95 @@
+"""Drafter training end to end on a tiny target: recorded self-distillation data, rollout training
+that learns (held-out acceptance rises), resume, export, and the trained drafter in the engine."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from hsdjax.drafters.checkpoint import frozen_from_params, load_drafter, save_drafter
+from hsdjax.drafters.feature import FeatureConfig
+from hsdjax.errors import HsdjaxError
+from hsdjax.model import init_params
+from hsdjax.train.datagen import RecordingDrafter, flatten_recorded, fused_layer_indices
+from hsdjax.train.train import draft_vocab, train
+from tests.conftest import TINY_LLAMA, run_engine
+
+CFG = TINY_LLAMA
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """Greedy answers of the tiny target to 24 random prompts, recorded like `train-drafter` does."""
+    params = init_params(CFG, seed=1)
+    layers = fused_layer_indices(CFG.num_layers)
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(0, CFG.vocab_size, rng.randint(3, 12))) for _ in range(24)]
+    drafter = RecordingDrafter(layers=layers, top_k=4)
+    dparams = {"head": frozen_from_params(params, CFG)["head_full"]}
+    _, state = run_engine(CFG, params, prompts, 48, drafter=drafter, dparams=dparams, return_state=True)
+    data = flatten_recorded(state, [len(p) for p in prompts])
+    data["states"] = data["states"].view(jax.numpy.bfloat16)
+    return params, layers, prompts, data
+
+
+def test_recorded_states_match_a_teacher_forced_pass(recorded):
+    """What the recording drafter stored during decoding equals a fresh forward over the sequence."""
+    import jax.numpy as jnp
+
+    from hsdjax.model import Transformer, causal_mask
+
+    params, layers, prompts, data = recorded
+    doc0 = data["doc"] == 0
+    toks = data["tokens"][doc0]
+    t = len(toks)
+    fwd = Transformer(CFG).apply({"params": params}, jnp.asarray(toks)[None], jnp.arange(t)[None],
+                                 causal_mask(jnp.array([t]), t))
+    want = np.stack([np.asarray(fwd["layers"][i][0]) for i in layers], axis=1)
+    got = np.asarray(data["states"][doc0], np.float32)
+    np.testing.assert_allclose(got, want, atol=0.05, rtol=0.02)  # bfloat16 storage
+    logits = np.asarray(Transformer(CFG).apply({"params": params}, fwd["hidden"], method=Transformer.logits))[0]
+    assert np.array_equal(data["top_ids"][doc0][:, 0], logits.argmax(-1))
+
+
+@pytest.mark.parametrize("method", ["hsd", "eagle"])
+def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
+    params, layers, prompts, data = recorded
+    fc = FeatureConfig(method=method, hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64,
+                       vocab=64, rope_theta=CFG.rope_theta)
+    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
+    frozen = frozen_from_params(params, CFG)
+    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
+                 "final_norm": np.asarray(frozen["final_norm"])}
+    opts = dict(window=32, batch=8, rollout=3, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=30)
+    logs = []
+    first = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=logs.append)
+    hist = first["history"]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    assert hist[-1]["chain_accept"] > hist[0]["chain_accept"]
+    more = train(fc, data, frozen_np, vocab_ids, dict(opts, max_steps=40), tmp_path / "ckpt", progress=False,
+                 log=logs.append)
+    assert any("resumed from step 30" in m for m in logs) and more["steps"] == 40, logs
+
+    target = types.SimpleNamespace(name="tiny", fingerprint="f" * 64, params=params, cfg=CFG)
+    path = save_drafter(tmp_path / "d.safetensors", fc, more["params"], vocab_ids, layers[:-1], target, {"x": 1})
+    cfg2, layers2, dparams, meta = load_drafter(path, target, method)
+    assert cfg2 == fc and meta["info"] == {"x": 1}
+    from hsdjax.drafters.eagle import EagleDrafter
+    from hsdjax.drafters.hsd import HSDDrafter
+
+    cls = HSDDrafter if method == "hsd" else EagleDrafter
+    drafter = cls(cfg=cfg2, layers=layers2, depth=4, width=2, budget=6)
+    want = run_engine(CFG, params, prompts[:4], 40)
+    got, state = run_engine(CFG, params, prompts[:4], 40, drafter=drafter, dparams=dparams, return_state=True)
+    assert got == want
+    s = jax.tree_util.tree_map(np.asarray, state.stats)
+    assert s.accepted_drafts.sum() > 0.3 * s.target_passes.sum()  # the trained drafter is right often
+
+    other = types.SimpleNamespace(name="other", fingerprint="0" * 64, params=params, cfg=CFG)
+    with pytest.raises(HsdjaxError, match="was trained for tiny"):
+        load_drafter(path, other, method)
+    with pytest.raises(HsdjaxError, match="not hsd|not eagle"):
+        load_drafter(path, target, "eagle" if method == "hsd" else "hsd")
