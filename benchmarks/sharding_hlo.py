@@ -35,6 +35,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-coder-1.5b": dict(family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                                num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=1e6,
                                max_context=32768, qkv_bias=True),
+    # Llama-3-8B's shapes (32 query / 8 KV heads): a target that needs more than one 16 GB chip
+    "llama3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_context=8192,
+                      tie_embeddings=False),
 }
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "f64": 8}
@@ -202,7 +206,11 @@ def round_report(hlo: str) -> dict[str, Any]:
     loops = [line for line in comps[entry] if "while(" in line and 'op_name="jit(decode)/while"' in line]
     if not loops:
         return report
-    body = breakdown(comps, re.search(r"\bbody=%([\w.\-]+)", loops[0]).group(1), where, memo)
+    body = Node()  # one round: the loop body and its condition (which runs once per round too)
+    for key in ("body", "condition"):
+        part = breakdown(comps, re.search(rf"\b{key}=%([\w.\-]+)", loops[0]).group(1), where, memo)
+        body.always.add(part.always)
+        body.conds += part.conds
     report["round_greedy"] = resolve(body, _greedy).summary()
     report["round_sampling"] = resolve(body, _worst).summary()
     tiers = [b for label, _, b in body.conds if label.startswith("engine.py")]
@@ -212,7 +220,8 @@ def round_report(hlo: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ programs
-def lower_decode(preset: str, method: str, mesh_spec: str, batch: int, cache: int, layer_loop: str) -> dict[str, str]:
+def lower_decode(preset: str, method: str, mesh_spec: str, batch: int, cache: int, layer_loop: str,
+                 dtype: str = "bfloat16") -> dict[str, str]:
     """Compiled HLO text of ``prefill`` and ``decode`` for a preset's shapes on the mesh (abstract params)."""
     import jax
     import jax.numpy as jnp
@@ -225,10 +234,10 @@ def lower_decode(preset: str, method: str, mesh_spec: str, batch: int, cache: in
     from hsdjax.model import init_params
     from hsdjax.sampling import SamplingParams
 
-    cfg = ModelConfig(**PRESETS[preset], dtype="float32", scan_layers=layer_loop == "scan")
+    cfg = ModelConfig(**PRESETS[preset], dtype=dtype, scan_layers=layer_loop == "scan")
     mesh = sharding.make_mesh(mesh_spec)
     drafter = ARDrafter() if method == "ar" else PromptLookupDrafter()
-    params = jax.eval_shape(lambda: init_params(cfg))
+    params = jax.eval_shape(lambda: jax.tree_util.tree_map(lambda w: w.astype(dtype), init_params(cfg)))
     specs = sharding.param_specs(cfg, params, mesh)
     params = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), params, specs,
@@ -268,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--cache", type=int, default=1024, help="KV cache slots per row")
     parser.add_argument("--layer-loop", choices=("scan", "unrolled"), default="scan")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="params and compute (default bfloat16, as on TPU/GPU)")
     parser.add_argument("--devices", type=int, default=8, help="forced host CPU devices")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
@@ -277,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for preset in args.config or ["tiny-8kv", "smollm2-135m"]:
         for method in args.method or ["ar", "pld"]:
-            texts = lower_decode(preset, method, args.mesh, args.batch, args.cache, args.layer_loop)
+            texts = lower_decode(preset, method, args.mesh, args.batch, args.cache, args.layer_loop, args.dtype)
             results[f"{preset}/{method}"] = {"prefill": round_report(texts["prefill"])["program"],
                                              **round_report(texts["decode"])}
     if args.json:
-        print(json.dumps({"mesh": args.mesh, "batch": args.batch, "results": results}, indent=1))
+        print(json.dumps({"mesh": args.mesh, "batch": args.batch, "dtype": args.dtype, "results": results}, indent=1))
         return 0
-    print(f"mesh {args.mesh}, batch {args.batch}, {args.layer_loop} layers; bytes are per device")
+    print(f"mesh {args.mesh}, batch {args.batch}, {args.dtype}, {args.layer_loop} layers; sizes are each "
+          "collective's result per device")
     for name, r in results.items():
         print(f"\n{name}")
         print(f"  prefill, greedy:              {_fmt(r['prefill'])}")

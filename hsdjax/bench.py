@@ -78,6 +78,7 @@ class Turn:
     accept_lengths: list[int]
     target_passes: int = 0
     draft_steps: int = 0
+    drafter_states: int = 0
 
 
 class LocalMethod:
@@ -91,7 +92,7 @@ class LocalMethod:
     def turn(self, messages: list[dict[str, str]], max_new: int, temperature: float, seed: int) -> Turn:
         r = self.gen.generate(messages, max_new_tokens=max_new, temperature=temperature, seed=seed)[0]
         return Turn(r.text, r.tokens, r.seconds, r.stats["accept_lengths"], r.stats["target_passes"],
-                    r.stats["draft_steps"])
+                    r.stats["draft_steps"], r.stats.get("drafter_states", 0))
 
 
 class PeerMethod:
@@ -156,7 +157,8 @@ def answer_record(q: Question, model_id: str, turns: list[Turn]) -> dict[str, An
 def raw_record(q: Question, turns: list[Turn]) -> dict[str, Any]:
     return {"question_id": q.question_id, "category": q.category, "tokens": [t.tokens for t in turns],
             "wall_time": [t.wall_time for t in turns], "accept_lengths": [t.accept_lengths for t in turns],
-            "target_passes": [t.target_passes for t in turns], "draft_steps": [t.draft_steps for t in turns]}
+            "target_passes": [t.target_passes for t in turns], "draft_steps": [t.draft_steps for t in turns],
+            "drafter_states": [t.drafter_states for t in turns]}
 
 
 def finalize_answers(path: Path) -> None:
@@ -196,6 +198,9 @@ def summarize(raw: dict[str, list[dict[str, Any]]], external: set[str], greedy: 
                 passes = sum(sum(r["target_passes"]) for r in rs)
                 row["target_passes_per_token"] = passes / tokens if tokens else None
                 row["draft_steps_per_token"] = sum(sum(r["draft_steps"]) for r in rs) / tokens if tokens else None
+                states = sum(sum(r.get("drafter_states", [0])) for r in rs)
+                accepted = tokens - passes - sum(len(r["tokens"]) for r in rs)  # one token per turn is the prefill's
+                row["draft_utilisation"] = accepted / states if states else None
             if greedy and bs:
                 row["identical_to_ar"] = all(r["tokens"] == base[r["question_id"]]["tokens"] for r in rs)
             rows[cat] = row
@@ -238,8 +243,8 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
              "questions of new tokens / wall time; speed-up = ratio of means vs `ar`; compile excluded).", ""]
     cats = sorted({c for m in summary.values() for c in m["by_category"] if c != "overall"}) + ["overall"]
     header = ("| method | category | questions | tokens/s | speed-up vs ar | mean accepted length | "
-              "target passes / token | draft steps / token | identical to ar |")
-    lines += [header, "|" + " --- |" * 9]
+              "target passes / token | draft steps / token | draft utilisation | identical to ar |")
+    lines += [header, "|" + " --- |" * 10]
     for cat in cats:
         for method, m in summary.items():
             row = m["by_category"].get(cat)
@@ -249,7 +254,8 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             lines.append(f"| {name} | {cat} | {row['questions']} | {_fmt(row['tokens_per_s'], '.1f')} | "
                          f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['mean_accepted_length'])} | "
                          f"{_fmt(row.get('target_passes_per_token'), '.3f')} | "
-                         f"{_fmt(row.get('draft_steps_per_token'), '.3f')} | {_fmt(row.get('identical_to_ar'))} |")
+                         f"{_fmt(row.get('draft_steps_per_token'), '.3f')} | "
+                         f"{_fmt(row.get('draft_utilisation'), '.3f')} | {_fmt(row.get('identical_to_ar'))} |")
     for note in meta.get("notes", []):
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"

@@ -298,13 +298,20 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_method(model_name: str) -> str:
+    """The headline method when a drafter ships for the model, else prompt lookup (training-free)."""
+    from hsdjax.drafters.checkpoint import shipped_path
+
+    return "hsd" if shipped_path(model_name, "hsd").is_file() else "pld"
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Plain decoding and a speculative method side by side on one chat prompt, with the check that
     the greedy outputs are identical."""
     from hsdjax.api import Generator, load_model
 
     model = load_model(args.model, dtype=args.dtype, progress=True, mesh=mesh_from_args(args))
-    method = args.method if args.method != "ar" else "pld"
+    method = args.method if args.method != "ar" else _demo_method(model.name)
     _log(f"model {model.name}; prompt: {args.prompt!r}")
     runs = {}
     for name in ("ar", method):

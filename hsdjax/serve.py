@@ -110,6 +110,7 @@ def build(model_name: str | None = None, method: str = "pld", *, dtype: str | No
 def run(args: argparse.Namespace) -> int:
     """The ``serve`` command: load, start the scheduler (it compiles in the background; /health says
     when it is ready), serve until interrupted."""
+    import jax
     import uvicorn
 
     from hsdjax.sharding import mesh_from_args
@@ -118,10 +119,13 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     t0 = time.perf_counter()
     options = {k: getattr(args, k) for k in ("draft_model", "depth", "width") if getattr(args, k, None) is not None}
+    mesh = mesh_from_args(args)
+    if jax.process_count() > 1:  # every process would have to make the scheduler's calls in lockstep
+        raise HsdjaxError("serve runs on one host; --distributed / HSDJAX_COORDINATOR are for generate and bench")
     app, sched = build(args.model, args.method, dtype=args.dtype, max_batch=args.max_batch,
                        max_queue=args.max_queue, max_context=args.max_context, rounds=args.rounds,
                        spec_max_active=args.spec_max_active, method_options=options, warmup=not args.no_warmup,
-                       mesh=mesh_from_args(args))
+                       mesh=mesh)
     log.info("loaded %s in %.1fs; method %s, batch <= %d, queue <= %d, context %d tokens; compiling",
              app.title and sched.model.name, time.perf_counter() - t0, sched.method, sched.max_batch,
              sched.max_queue, sched.context_limit)

@@ -93,8 +93,8 @@ def make_mesh(mesh: MeshLike) -> Mesh | None:
         if isinstance(mesh, Mesh) and tuple(mesh.axis_names) != AXES:
             raise HsdjaxError(f"the mesh must have the axes {AXES} (got {tuple(mesh.axis_names)})")
         return mesh
-    shape = parse_mesh(mesh) if isinstance(mesh, str) else dict(dict.fromkeys(AXES, 1), **mesh)
-    check_mesh_shape(shape)
+    # a dict goes through the same checks as a --mesh string
+    shape = parse_mesh(mesh if isinstance(mesh, str) else ",".join(f"{k}={v}" for k, v in dict(mesh).items()))
     sizes = tuple(shape[a] for a in AXES)
     return jax.make_mesh(sizes, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
@@ -191,7 +191,7 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...], axis: int = 0) -> NamedSh
 
 
 def shard_batch(tree: Any, mesh: Mesh | None) -> Any:
-    """Place per-row inputs (leading batch axis) on the mesh; scalars and 1-D non-row arrays go whole.
+    """Place per-row inputs on the mesh: every array's leading axis is its batch axis (scalars go whole).
 
     Arrays may be NumPy (identical on every process in a multi-host run) or JAX arrays.
     """
@@ -300,8 +300,9 @@ def maybe_initialize_distributed(enabled: bool = False) -> bool:
     try:
         jax.distributed.initialize(**settings)
     except (RuntimeError, ValueError) as exc:
-        raise HsdjaxError(f"jax.distributed.initialize failed ({', '.join(f'{k}={v}' for k, v in settings.items()) or 'auto-detect'}): "
-                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        given = ", ".join(f"{k}={v}" for k, v in settings.items()) or "auto-detected settings"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HsdjaxError(f"jax.distributed.initialize failed ({given}): {reason}") from None
     _distributed_on = True
     return True
 

@@ -39,6 +39,12 @@ def test_generate_json_end_to_end():
     (["generate", "--prompt", "hi", "--method", "nope"], "unknown method"),
     (["generate", "--prompt", "hi " * 9000, "--raw"], "context"),
     (["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"], "no such file"),
+    (["generate", "--prompt", "hi", "--method", "hsd", "--drafter", "/nonexistent/d.safetensors"], "not found"),
+    (["generate", "--prompt", "hi", "--method", "hsd", "--drafter", "README.md"], "not a drafter checkpoint"),
+    (["generate", "--prompt", "hi", "--method", "hsd", "--policy", "sometimes"], "unknown --policy"),
+    (["generate", "--prompt", "hi", "--method", "pld", "--policy", "reuse"], "apply to hsd and eagle"),
+    (["train-drafter", "/nonexistent/config.json"], "config not found"),
+    (["train-drafter", "README.md"], "not JSON"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     proc = run(*args)
@@ -52,3 +58,17 @@ def test_models_list_shows_registry():
     assert proc.returncode == 0
     for name in ("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
         assert name in proc.stdout
+
+
+def test_generate_hsd_json_reports_drafter_work():
+    """The shipped hsd drafter of the default model: lossless against ar, and its counters."""
+    prompt = "List three primary colors."
+    ar = run("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json")
+    hsd = run("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--method", "hsd")
+    assert ar.returncode == 0 and hsd.returncode == 0, hsd.stderr
+    a, h = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (ar, hsd))
+    assert h["text"] == a["text"]
+    for key in ("drafter_states", "chain_steps", "reused_states", "draft_utilisation", "drafter_passes"):
+        assert key in h, key
+    assert h["mean_accepted_length"] > 1.2  # the trained drafter is right often on a simple answer
+    assert 0 < h["draft_utilisation"] <= 1

@@ -71,6 +71,8 @@ def test_make_mesh_on_this_process():
         sharding.make_mesh({"model": 2})
     with pytest.raises(HsdjaxError, match="unknown mesh axis"):
         sharding.make_mesh({"pipe": 1})
+    with pytest.raises(HsdjaxError, match="whole number"):
+        sharding.make_mesh({"model": "one"})
 
 
 def test_mesh_cli_helpers():
@@ -95,8 +97,9 @@ def test_distributed_settings_from_environment():
 
 
 def test_cli_bad_mesh_is_one_clear_line():
-    proc = subprocess.run([sys.executable, "-m", "hsdjax.cli", "generate", "--prompt", "hi", "--mesh", "data=1,model=x"],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    args = ["generate", "--prompt", "hi", "--mesh", "data=1,model=x"]
+    proc = subprocess.run([sys.executable, "-m", "hsdjax.cli", *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2
     assert "whole number" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -168,6 +171,8 @@ def test_greedy_output_equals_single_device(eight_devices, method, mesh):
     got = r[f"{method}@{mesh}"]
     assert got["tokens"] == r["reference"], (method, mesh)
     assert got["devices"] == 8 and got["mesh"] == sharding.parse_mesh(mesh, devices=8)
+    if method == "pld":
+        assert got["tokens_per_pass"] > 1  # drafts were accepted: the tree tiers ran sharded too
 
 
 def test_streaming_on_a_mesh_equals_single_device(eight_devices):
@@ -175,7 +180,32 @@ def test_streaming_on_a_mesh_equals_single_device(eight_devices):
     assert r["stream@data=2,model=4"] == r["reference"][0]
 
 
-# ------------------------------------------------------------------------------------------ the worker
+@pytest.mark.slow
+def test_two_processes_share_one_mesh():
+    """Multi-host on one machine: two processes of 4 CPU devices join through ``HSDJAX_COORDINATOR``
+    (``jax.distributed``, gloo collectives); a data=2,model=4 mesh spans both, and greedy ``ar`` and
+    ``pld`` equal single-device ``ar``."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore", HSDJAX_COORDINATOR=f"127.0.0.1:{port}",
+               HSDJAX_NUM_PROCESSES="2")
+    code = "from tests.test_sharding import _multihost_worker; _multihost_worker()"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, HSDJAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [r["process"] for r in reports] == [0, 1] and all(r["devices"] == 8 for r in reports)
+    for r in reports:
+        assert r["ar"] == r["reference"] and r["pld"] == r["reference"]
+
+
+# ------------------------------------------------------------------------------------------ the workers
 class _StubTokenizer:
     """Enough of ``Tokenizer`` for ``Generator`` on token-id prompts."""
 
@@ -197,8 +227,6 @@ def _model(cfg: ModelConfig, params: dict, mesh: str | None):
 def _prefill_check(cfg: ModelConfig, params: dict, mesh: str) -> dict:
     """``engine.prefill`` of two prompts on one device and on ``mesh``: the LM head's logits at every
     prompt position, the KV cache, and how the sharded cache is split."""
-    import jax.numpy as jnp
-
     from hsdjax import engine
     from hsdjax.model import Transformer
     from hsdjax.sampling import SamplingParams
@@ -228,15 +256,19 @@ def _worker() -> None:
     from hsdjax.api import Generator, enable_compilation_cache
     from hsdjax.model import init_params
 
-    t0 = time.perf_counter()
+    t0, times = time.perf_counter(), {}
+
+    def lap(name: str) -> None:  # seconds since start, reported for tuning the test's cost
+        times[name] = round(time.perf_counter() - t0, 1)
+
     enable_compilation_cache()
     assert jax.device_count() == 8, jax.devices()
     p8, p3 = init_params(HEADS8, seed=3), init_params(HEADS3, seed=4)
-    report: dict = {"devices": jax.device_count()}
-    times = {"start": round(time.perf_counter() - t0, 1)}
+    report: dict = {"devices": jax.device_count(), "times": times}
+    lap("start")
     report["prefill"] = {"heads8": _prefill_check(HEADS8, p8, "data=2,model=4"),
                          "heads3": _prefill_check(HEADS3, p3, "data=2,model=4")}
-    times["prefill"] = round(time.perf_counter() - t0, 1)
+    lap("prefill")
 
     rng = np.random.RandomState(5)
     prompts = []
@@ -247,20 +279,35 @@ def _worker() -> None:
     greedy: dict = {}
     ref = Generator(_model(HEADS8, p8, None), "ar").generate(prompts, max_new_tokens=12)
     greedy["reference"] = [r.tokens for r in ref]
-    times["reference"] = round(time.perf_counter() - t0, 1)
+    lap("reference")
     for mesh in MESHES:
         for method in ("ar", "pld"):
             gen = Generator(_model(HEADS8, p8, mesh), method, **options[method])
             results = gen.generate(prompts, max_new_tokens=12)
             stats = results[0].to_json()
-            times[f"{method}@{mesh}"] = round(time.perf_counter() - t0, 1)
+            lap(f"{method}@{mesh}")
             greedy[f"{method}@{mesh}"] = {"tokens": [r.tokens for r in results], "devices": stats["devices"],
                                           "mesh": stats["mesh"], "tokens_per_pass": stats["mean_accepted_length"]}
             if method == "ar" and mesh == "data=2,model=4":  # repeated calls of one compiled decode program
                 "".join(gen.stream(prompts[0], max_new_tokens=12, chunk_steps=5))
                 greedy[f"stream@{mesh}"] = gen.last_result.tokens
-                times["stream"] = round(time.perf_counter() - t0, 1)
+                lap("stream")
     report["greedy"] = greedy
-    report["times"] = times
-    report["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(report))
+
+
+def _multihost_worker() -> None:
+    """One process of ``test_two_processes_share_one_mesh``; prints JSON."""
+    sharding.maybe_initialize_distributed()  # HSDJAX_COORDINATOR is set: joins before JAX starts
+    from hsdjax.api import Generator
+    from hsdjax.model import init_params
+
+    params = init_params(HEADS8, seed=3)
+    rng = np.random.RandomState(6)
+    prompts = [(rng.randint(0, HEADS8.vocab_size, 3).tolist() * 5)[: 5 + 2 * i] for i in range(4)]
+    single = Generator(_model(HEADS8, params, None), "ar").generate(prompts, max_new_tokens=10)
+    report = {"process": jax.process_index(), "devices": jax.device_count(), "reference": [r.tokens for r in single]}
+    for method, options in (("ar", {}), ("pld", {"depth": 3, "width": 1})):
+        gen = Generator(_model(HEADS8, params, "data=2,model=4"), method, **options)
+        report[method] = [r.tokens for r in gen.generate(prompts, max_new_tokens=10)]
     print(json.dumps(report))
