@@ -12,8 +12,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -180,6 +182,56 @@ def test_streaming_on_a_mesh_equals_single_device(eight_devices):
     assert r["stream@data=2,model=4"] == r["reference"][0]
 
 
+@pytest.mark.parametrize("method", ["hsd", "eagle"])
+@pytest.mark.parametrize("mesh", (None, *MESHES))
+def test_feature_drafters_greedy_on_meshes_equal_single_device(eight_devices, method, mesh):
+    """A random drafter checkpoint (``drafter=PATH``, bound to the sharded target, params replicated)."""
+    r = eight_devices["feature"]
+    got, single = r[f"{method}@{mesh}"], r[f"{method}@None"]
+    assert got["tokens"] == single["tokens"] == eight_devices["greedy"]["reference"], (method, mesh)
+    assert got["drafter_states"] > 0  # the drafter really drafted
+    if mesh is not None:
+        assert got["devices"] == 8 and got["mesh"] == sharding.parse_mesh(mesh, devices=8)
+        assert got["dparams_replicated"]
+
+
+def test_data_generation_on_a_mesh_equals_single_device(eight_devices):
+    """``generate_data`` with the target on data=2,model=4: same tokens, same recorded states (bfloat16)."""
+    r = eight_devices["datagen"]
+    assert r["tokens_equal"] and r["answer_equal"] and r["tokens"] > 200, r
+    assert r["states_max_abs_diff"] < 0.05 and r["top_ids_agree"] > 0.97, r
+
+
+def test_data_parallel_training_matches_single_device(eight_devices):
+    """Two steps on data=4,model=2 (batch 8: 2 windows per data shard) vs one device."""
+    r = eight_devices["train"]
+    assert r["batch_shard"] == [2, 16] and r["params_replicated"], r
+    np.testing.assert_allclose(r["step_loss"]["mesh"], r["step_loss"]["single"], rtol=1e-4)
+    assert r["grads_max_rel_diff"] < 1e-4, r
+    assert r["history_mesh"] == pytest.approx(r["history_single"], rel=1e-3, abs=2e-4)
+    assert r["params_max_rel_diff"] < 1e-4, r
+
+
+def test_checkpoint_restores_onto_another_mesh(eight_devices):
+    """Saved by a data=2,model=4 run; restored onto data=4,model=2 and onto one device, then continued."""
+    r = eight_devices["train"]["restore"]
+    assert r["restored_equal_saved"] and r["restored_on_new_mesh"], r
+    assert r["resumed_logs"] == [True, True] and r["steps"] == [3, 3], r
+    assert r["continued_max_rel_diff"] < 1e-4, r
+
+
+def test_train_batch_must_divide_the_data_axis():
+    from hsdjax.train.train import check_data_parallel
+
+    class FakeMesh:  # check_data_parallel only reads the axis sizes
+        shape = {"data": 4, "model": 2}
+
+    check_data_parallel(8, None)
+    check_data_parallel(8, FakeMesh())
+    with pytest.raises(HsdjaxError, match=r"train batch 6 does not divide by the mesh's data axis \(4\)"):
+        check_data_parallel(6, FakeMesh())
+
+
 @pytest.mark.slow
 def test_two_processes_share_one_mesh():
     """Multi-host on one machine: two processes of 4 CPU devices join through ``HSDJAX_COORDINATOR``
@@ -207,10 +259,15 @@ def test_two_processes_share_one_mesh():
 
 # ------------------------------------------------------------------------------------------ the workers
 class _StubTokenizer:
-    """Enough of ``Tokenizer`` for ``Generator`` on token-id prompts."""
+    """Enough of ``Tokenizer`` for ``Generator`` on token-id prompts, and for ``generate_data`` on
+    prompts written as space-separated token ids."""
 
     stop_ids = ()
     _byte_level = False
+    has_chat_template = False
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(t) for t in text.split()]
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
@@ -249,6 +306,152 @@ def _prefill_check(cfg: ModelConfig, params: dict, mesh: str) -> dict:
             "argmax_equal": bool((sharded.argmax(-1) == single.argmax(-1)).all()),
             "cache_max_abs_diff": float(np.max(np.abs(np.asarray(k8) - np.asarray(k1)))),
             "cache_shard": list(k8.sharding.shard_shape(k8.shape))}
+
+
+def _random_drafter(folder: Path, method: str, params: dict) -> Path:
+    """A random (untrained) ``method`` drafter checkpoint for the HEADS8 target, its 2-D weights
+    scaled up so its proposals vary (what it proposes does not matter: greedy output must not change)."""
+    from hsdjax.drafters.checkpoint import save_drafter
+    from hsdjax.drafters.feature import FeatureConfig, init_net
+    from hsdjax.train.datagen import fused_layer_indices
+
+    fc = FeatureConfig(method=method, hidden=HEADS8.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=32, vocab=40,
+                       rope_theta=HEADS8.rope_theta)
+    net = jax.tree_util.tree_map(lambda a: a * 4.0 if a.ndim == 2 else a, init_net(fc, seed=1))
+    ids = np.sort(np.random.RandomState(1).choice(HEADS8.vocab_size, fc.vocab, replace=False)).astype(np.int32)
+    layers = fused_layer_indices(HEADS8.num_layers)[:3]
+    return save_drafter(folder / f"{method}.safetensors", fc, net, ids, layers, _model(HEADS8, params, None), {})
+
+
+def _feature_check(params: dict, prompts: list, folder: Path, lap) -> dict:
+    """Greedy ``hsd`` / ``eagle`` through ``Generator(..., drafter=PATH)`` on one device and on each mesh."""
+    from hsdjax.api import Generator
+
+    out: dict = {}
+    for method in ("hsd", "eagle"):
+        path = _random_drafter(folder, method, params)
+        for mesh in (None, *MESHES):
+            gen = Generator(_model(HEADS8, params, mesh), method, drafter=str(path), depth=3, width=2, budget=4)
+            results = gen.generate(prompts, max_new_tokens=12)
+            stats = results[0].to_json()
+            out[f"{method}@{mesh}"] = {
+                "tokens": [r.tokens for r in results], "devices": stats["devices"], "mesh": stats["mesh"],
+                "drafter_states": sum(r.stats["drafter_states"] for r in results),
+                "dparams_replicated": all(a.sharding.is_fully_replicated and len(a.sharding.device_set) == 8
+                                          for a in jax.tree_util.tree_leaves(gen.dparams)) if mesh else None}
+            lap(f"{method}@{mesh}")
+    return out
+
+
+def _datagen_check(params: dict, folder: Path) -> tuple[dict, dict]:
+    """``generate_data`` (the target answers 16 prompts, 8 per batch) on one device and on
+    data=2,model=4; returns the comparison and the single-device data."""
+    from hsdjax.train.datagen import generate_data, load_shards
+
+    rng = np.random.RandomState(7)
+    lines = [json.dumps({"prompt": " ".join(map(str, rng.randint(0, HEADS8.vocab_size, 3 + i % 9)))})
+             for i in range(16)]
+    (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    data_cfg = {"prompts": str(folder / "prompts.jsonl"), "token_budget": 10**6, "batch": 8, "max_new_tokens": 16,
+                "top_k_logits": 4, "max_prompt_tokens": 64}
+    runs = {}
+    for mesh in (None, "data=2,model=4"):
+        generate_data(_model(HEADS8, params, mesh), data_cfg, folder / f"data-{mesh}", progress=False)
+        runs[mesh] = load_shards(folder / f"data-{mesh}")
+        runs[mesh].pop("manifest")
+    one, sharded = runs[None], runs["data=2,model=4"]
+    states = np.abs(one["states"].astype(np.float32) - sharded["states"].astype(np.float32))
+    return {"tokens": int(one["tokens"].shape[0]),
+            "tokens_equal": bool(np.array_equal(one["tokens"], sharded["tokens"])),
+            "answer_equal": bool(np.array_equal(one["answer"], sharded["answer"])),
+            "states_max_abs_diff": float(states.max()),
+            "top_ids_agree": float(np.mean(one["top_ids"] == sharded["top_ids"]))}, one
+
+
+def _max_rel_diff(a: Any, b: Any) -> float:
+    """Largest max|a - b| / max|b| over the leaves of two trees (each leaf relative to its own scale)."""
+    def rel(x: Any, y: Any) -> float:
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        return float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-12))
+
+    return max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(rel, a, b)))
+
+
+def _train_check(params: dict, data: dict, folder: Path, lap) -> dict:
+    """Data-parallel drafter training vs one device, and orbax checkpoints moved between meshes."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    from hsdjax.drafters.checkpoint import frozen_from_params
+    from hsdjax.drafters.feature import FeatureConfig, init_net
+    from hsdjax.train import train as tr
+
+    fc = FeatureConfig(method="hsd", hidden=HEADS8.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=32, vocab=32,
+                       rope_theta=HEADS8.rope_theta)
+    vocab_ids = tr.draft_vocab(data["top_ids"], fc.vocab, HEADS8.vocab_size)
+    frozen = frozen_from_params(params, HEADS8)
+    frozen = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
+              "final_norm": np.asarray(frozen["final_norm"])}
+    opts = dict(window=16, batch=8, rollout=2, epochs=4, lr=3e-3, warmup=1, holdout=0.15, max_steps=2)
+    mesh4, mesh2 = sharding.make_mesh("data=4,model=2"), sharding.make_mesh("data=2,model=4")
+    out: dict = {}
+
+    # one loss-and-gradient step, full precision
+    vocab_map = np.full((HEADS8.vocab_size,), -1, np.int32)
+    vocab_map[vocab_ids] = np.arange(fc.vocab, dtype=np.int32)
+    windows = tr.WindowData(data, vocab_map, 16, 0.3, np.unique(data["doc"]))
+    batch = windows.batch(windows.starts[:8])
+    static = {"rollout": 2, "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2}
+
+    def grad(p, b, f):
+        return jax.value_and_grad(lambda *a: tr.rollout_loss(*a, fc, static)[0])(p, b, f)
+
+    net = init_net(fc, 0)
+    l1, g1 = tr.jit_step(grad, None, 1, 3)(net, batch, frozen)
+    placed = tr.place_batch(batch, mesh4)
+    l4, g4 = tr.jit_step(grad, mesh4, 1, 3)(tr.place_replicated(net, mesh4), placed,
+                                             tr.place_replicated(frozen, mesh4))
+    out["batch_shard"] = list(placed["tokens"].sharding.shard_shape(placed["tokens"].shape))
+    out["step_loss"] = {"single": float(l1), "mesh": float(l4)}
+    out["grads_max_rel_diff"] = _max_rel_diff(g4, g1)
+    lap("train: one step")
+
+    logs: list[str] = []
+
+    def run(mesh, name: str, **more):
+        return tr.train(fc, data, frozen, vocab_ids, dict(opts, **more), folder / name, progress=False,
+                        log=logs.append, mesh=mesh)
+
+    single, dp4 = run(None, "single"), run(mesh4, "dp4")
+    out["history_single"] = [h[k] for h in single["history"] for k in ("train_loss", "loss")]
+    out["history_mesh"] = [h[k] for h in dp4["history"] for k in ("train_loss", "loss")]
+    out["params_max_rel_diff"] = _max_rel_diff(dp4["params"], single["params"])
+    out["params_replicated"] = all(a.sharding.is_fully_replicated and len(a.sharding.device_set) == 8
+                                   for a in jax.tree_util.tree_leaves(dp4["params"]))
+    lap("train: single and data=4")
+
+    saved = run(mesh2, "dp2")  # checkpoint at step 2, written from a data=2,model=4 mesh
+    for name in ("to4", "to1", "probe"):
+        shutil.copytree(folder / "dp2", folder / name)
+    fresh = tr.place_replicated(init_net(fc, 5), mesh4)  # what a run on data=4,model=2 would start from
+    optimizer = tr.make_optimizer({**tr.TRAIN_DEFAULTS, **opts}, 2)
+    template = {"params": fresh, "opt_state": tr.place_replicated(optimizer.init(fresh), mesh4), "step": 0}
+    full = tr.restore_checkpoint(ocp.CheckpointManager((folder / "probe").resolve()), 2, template)
+    restore = {"restored_equal_saved": _max_rel_diff(full["params"], saved["params"]) == 0.0,
+               "restored_on_new_mesh": all(a.sharding.is_fully_replicated and a.sharding.mesh.shape == mesh4.shape
+                                           for a in jax.tree_util.tree_leaves(full)
+                                           if isinstance(a, jax.Array))}
+    resumed = []
+    for mesh, name in ((mesh4, "to4"), (None, "to1")):
+        logs.clear()
+        resumed.append(run(mesh, name, max_steps=3))
+        restore.setdefault("resumed_logs", []).append(any("resumed from step 2" in m for m in logs))
+    restore["steps"] = [r["steps"] for r in resumed]
+    restore["continued_max_rel_diff"] = _max_rel_diff(resumed[0]["params"], resumed[1]["params"])
+    out["restore"] = restore
+    lap("train: checkpoint across meshes")
+    return out
 
 
 def _worker() -> None:
@@ -293,6 +496,11 @@ def _worker() -> None:
                 greedy[f"stream@{mesh}"] = gen.last_result.tokens
                 lap("stream")
     report["greedy"] = greedy
+    with tempfile.TemporaryDirectory() as tmp:
+        report["feature"] = _feature_check(p8, prompts, Path(tmp), lap)
+        report["datagen"], data = _datagen_check(p8, Path(tmp))
+        lap("datagen")
+        report["train"] = _train_check(p8, data, Path(tmp), lap)
     print(json.dumps(report))
 
 

@@ -27,6 +27,7 @@ from jaxtyping import Array
 from hsdjax.drafters.base import ARDrafter
 from hsdjax.drafters.checkpoint import frozen_from_target
 from hsdjax.errors import HsdjaxError
+from hsdjax.sharding import to_host
 
 
 
@@ -226,8 +227,8 @@ def _generate_recorded(gen: Any, rows: list[list[int]], max_new: int, temperatur
 
 def flatten_recorded(state: Any, prompt_lens: list[int]) -> dict[str, np.ndarray]:
     """The recorded rows of a finished ``DecodeState`` (of a ``RecordingDrafter``) as one stream."""
-    rec = jax.tree_util.tree_map(np.asarray, state.draft)
-    seq, seq_len = np.asarray(state.gen.seq), np.asarray(state.gen.seq_len)
+    rec = jax.tree_util.tree_map(to_host, state.draft)  # to_host: whole arrays even when sharded (multi-host)
+    seq, seq_len = to_host(state.gen.seq), to_host(state.gen.seq_len)
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("tokens", "doc", "answer", "states", "top_logits", "top_ids")}
     for i, p_len in enumerate(prompt_lens):
         n = int(seq_len[i]) - 1

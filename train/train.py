@@ -9,6 +9,12 @@ own earlier rollout inputs, exactly what the drafter sees at inference. At each 
 soft cross-entropy against the target's top-k distribution over the draft vocabulary (``hsd``:
 through ``g`` with the true path tokens) plus a smooth-L1 regression to the target's final state,
 weighted by ``step_decay ** (s-1)``; prompt tokens are weighted by ``prompt_weight``.
+
+Data parallel: given a ``jax.sharding.Mesh`` (axes ``data``, ``model``), each batch of windows is split
+by rows over ``data`` while the drafter's params, the optimizer state and the frozen target pieces are
+replicated on every device; the steps are jitted with these shardings, so XLA computes the global
+loss and averages the gradients across ``data`` itself (``model`` only adds replicas). Checkpoints
+restore onto whatever mesh (or single device) the resuming run uses.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Int
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, init_net
 from hsdjax.errors import HsdjaxError
@@ -167,13 +174,86 @@ def make_optimizer(opts: dict[str, Any], total_steps: int) -> optax.GradientTran
                        optax.adamw(schedule, weight_decay=opts["weight_decay"]))
 
 
+# ------------------------------------------------------------------------------------------ data parallel
+def check_data_parallel(batch: int, mesh: Mesh | None) -> None:
+    """The batch of windows must split evenly over the mesh's ``data`` axis."""
+    if mesh is None:
+        return
+    d = int(mesh.shape["data"])
+    if batch % d:
+        raise HsdjaxError(f"train batch {batch} does not divide by the mesh's data axis ({d}): use a batch that "
+                          f"is a multiple of {d} (train.batch in the config) or a smaller data axis "
+                          "(--mesh data=D,model=M)")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Whole on every device of ``mesh`` (params, optimizer state, frozen arrays, metrics)."""
+    return NamedSharding(mesh, P())
+
+
+def by_rows(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over ``data``, every other axis whole."""
+    return NamedSharding(mesh, P("data"))
+
+
+def place_batch(batch: dict[str, Shaped[np.ndarray, "B ..."]], mesh: Mesh | None) -> dict[str, Any]:
+    """A batch of windows on the mesh, rows over ``data`` (unchanged without a mesh). The NumPy
+    arrays must be identical on every process of a multi-host run (they are: same seeds, same data)."""
+    if mesh is None:
+        return batch
+    check_data_parallel(len(next(iter(batch.values()))), mesh)
+    return jax.device_put(batch, by_rows(mesh))
+
+
+def place_replicated(tree: Any, mesh: Mesh | None) -> Any:
+    """Params / optimizer state / frozen arrays whole on every device (default device without a mesh)."""
+    if mesh is None:
+        return jax.tree_util.tree_map(jnp.asarray, tree)
+    return jax.device_put(tree, replicated(mesh))
+
+
+def jit_step(fn: Any, mesh: Mesh | None, batch_arg: int, n_args: int) -> Any:
+    """``jax.jit(fn)``; with a mesh, argument ``batch_arg`` is split by rows over ``data`` and every
+    other argument and every output is replicated (so the gradient all-reduce is the compiler's)."""
+    if mesh is None:
+        return jax.jit(fn)
+    ins = tuple(by_rows(mesh) if i == batch_arg else replicated(mesh) for i in range(n_args))
+    return jax.jit(fn, in_shardings=ins, out_shardings=replicated(mesh))
+
+
+def abstract_like(tree: Any) -> Any:
+    """Shape, dtype and sharding of every array of ``tree`` (other leaves kept): an orbax restore
+    target that places the restored arrays as ``tree``'s are placed now, whatever mesh saved them."""
+    def leaf(a: Any) -> Any:
+        if isinstance(a, jax.Array):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        return a
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def restore_checkpoint(manager: Any, step: int, template: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint ``step`` of ``manager`` restored onto the placement of ``template`` (the current
+    run's freshly initialized and placed ``params`` / ``opt_state`` / ``step``)."""
+    import orbax.checkpoint as ocp
+
+    return manager.restore(step, args=ocp.args.StandardRestore(abstract_like(template)))
+
+
+# ------------------------------------------------------------------------------------------ training
 def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any], vocab_ids: np.ndarray,
-          opts: dict[str, Any], ckpt_dir: Path, *, progress: bool = True, log: Any = print) -> dict[str, Any]:
-    """Train (or resume training) a drafter; returns the final params and the evaluation history."""
+          opts: dict[str, Any], ckpt_dir: Path, *, progress: bool = True, log: Any = print,
+          mesh: Mesh | None = None) -> dict[str, Any]:
+    """Train (or resume training) a drafter; returns the final params and the evaluation history.
+
+    ``mesh``: train data-parallel over its ``data`` axis (see the module docstring); ``opts["batch"]``
+    must divide by its size. None: one device.
+    """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
     opts = {**TRAIN_DEFAULTS, **opts}
+    check_data_parallel(opts["batch"], mesh)
     vocab_map = np.full((frozen["embed"].shape[0],), -1, np.int32)
     vocab_map[vocab_ids] = np.arange(len(vocab_ids), dtype=np.int32)
     docs = np.unique(data["doc"])
@@ -185,10 +265,9 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     if opts["max_steps"]:
         total = min(total, opts["max_steps"])
     optimizer = make_optimizer(opts, total)
-    frozen_j = {k: jnp.asarray(v) for k, v in frozen.items()}
+    frozen_j = place_replicated(dict(frozen), mesh)
     static_opts = {k: opts[k] for k in ("rollout", "step_decay", "ce_weight", "reg_weight")}
 
-    @jax.jit
     def train_step(params, opt_state, batch, frozen_j):
         (loss, metrics), grads = jax.value_and_grad(rollout_loss, has_aux=True)(params, batch, frozen_j, cfg,
                                                                                 static_opts)
@@ -196,20 +275,21 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
         return optax.apply_updates(params, updates), opt_state, loss, {k: v for k, v in metrics.items()
                                                                         if k.startswith("acc")}
 
-    @jax.jit
     def eval_step(params, batch, frozen_j):
         loss, metrics = rollout_loss(params, batch, frozen_j, cfg, static_opts)
         return loss, chain_acceptance(metrics, opts["rollout"]), {k: v for k, v in metrics.items()
                                                                   if k.startswith("acc")}
 
-    params = init_net(cfg, opts["seed"])
-    opt_state = optimizer.init(params)
+    train_step = jit_step(train_step, mesh, batch_arg=2, n_args=4)
+    eval_step = jit_step(eval_step, mesh, batch_arg=1, n_args=3)
+    params = place_replicated(init_net(cfg, opts["seed"]), mesh)
+    opt_state = place_replicated(optimizer.init(params), mesh)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     manager = ocp.CheckpointManager(ckpt_dir.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
     step, history = 0, []
     if manager.latest_step() is not None:
-        restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(
-            {"params": params, "opt_state": opt_state, "step": 0}))
+        restored = restore_checkpoint(manager, manager.latest_step(),
+                                      {"params": params, "opt_state": opt_state, "step": 0})
         params, opt_state, step = restored["params"], restored["opt_state"], int(restored["step"])
         hist_path = ckpt_dir / "history.json"
         history = json.loads(hist_path.read_text()) if hist_path.exists() else []
@@ -218,7 +298,8 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     def save(at: int) -> None:
         manager.save(at, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state, "step": at}))
         manager.wait_until_finished()
-        (ckpt_dir / "history.json").write_text(json.dumps(history, indent=1))
+        if jax.process_index() == 0:  # multi-host: one writer
+            (ckpt_dir / "history.json").write_text(json.dumps(history, indent=1))
 
     def evaluate() -> dict[str, float]:
         n = max(min(len(eval_set) // opts["batch"], 8), 1)
@@ -227,7 +308,7 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
             starts = eval_set.starts[j * opts["batch"]:(j + 1) * opts["batch"]]
             if len(starts) < opts["batch"]:
                 starts = np.resize(eval_set.starts, opts["batch"])
-            loss, acc_len, m = eval_step(params, eval_set.batch(starts), frozen_j)
+            loss, acc_len, m = eval_step(params, place_batch(eval_set.batch(starts), mesh), frozen_j)
             rows.append({"loss": float(loss), "chain_accept": float(acc_len), **{k: float(v) for k, v in m.items()}})
         return {k: round(float(np.mean([r[k] for r in rows])), 4) for k in rows[0]}
 
@@ -242,7 +323,8 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
         starts = train_set.starts[order[j * opts["batch"]:(j + 1) * opts["batch"]]]
         if len(starts) < opts["batch"]:
             starts = rng.choice(train_set.starts, opts["batch"])
-        params, opt_state, loss, m = train_step(params, opt_state, train_set.batch(starts), frozen_j)
+        params, opt_state, loss, m = train_step(params, opt_state,
+                                               place_batch(train_set.batch(starts), mesh), frozen_j)
         step += 1
         bar.update(1)
         if step % 10 == 0:

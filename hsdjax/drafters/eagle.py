@@ -41,8 +41,9 @@ class EagleDrafter(Drafter):
     def __post_init__(self):
         object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
         object.__setattr__(self, "max_depth", self.depth)
-        if not self.tiers:
-            object.__setattr__(self, "tiers", (1 + self.budget,))
+        if not self.tiers:  # smaller verification passes when min_prob leaves few nodes valid
+            object.__setattr__(self, "tiers", tuple(sorted({min(3, 1 + self.budget), 1 + self.budget // 2,
+                                                            1 + self.budget})))
 
     @property
     def prompt_layers(self) -> tuple[int, ...]:
