@@ -62,13 +62,15 @@ def main() -> int:
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--budget", type=int, default=None)
+    p.add_argument("--min-prob", type=float, default=None)
     p.add_argument("--hsd-drafter", default=None)
     p.add_argument("--eagle-drafter", default=None)
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     enable_compilation_cache()
     model = load_model(args.model)
-    opts = {k: getattr(args, k) for k in ("depth", "width", "budget") if getattr(args, k) is not None}
+    opts = {k: getattr(args, k) for k in ("depth", "width", "budget", "min_prob")
+            if getattr(args, k) is not None}
     specs = args.methods.split(",")
     gens = []
     for spec in specs:

@@ -332,19 +332,19 @@ class Generator:
                     "target_passes": passes, "draft_steps": int(st.draft_passes[i]),
                     "mean_tree_nodes": round(int(st.tree_nodes[i]) / passes, 3) if passes else None,
                     "accept_hist": hist,
-                    **_drafter_stats_of(self.method, st, i, passes),
+                    **_drafter_stats_of(self.drafter.name, st, i, passes),
                     "accept_lengths": st.round_log[i, :passes].tolist(),
                 },
             ))
         return results
 
 
-def _drafter_stats_of(method: str, st: Any, i: int, passes: int) -> dict[str, Any]:
+def _drafter_stats_of(drafter_name: str, st: Any, i: int, passes: int) -> dict[str, Any]:
     """Drafter work counters of row ``i`` (the same definitions for every drafting method)."""
     states, accepted = int(st.drafter_states[i]), int(st.accepted_drafts[i])
     out: dict[str, Any] = {"drafter_passes": int(st.draft_passes[i]), "drafter_states": states,
                            "draft_utilisation": round(accepted / states, 4) if states else None}
-    if method == "hsd":
+    if drafter_name == "hsd":
         out["chain_steps"] = states
         out["reused_states"] = int(st.reused_states[i])
     return out

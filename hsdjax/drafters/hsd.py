@@ -46,18 +46,18 @@ class HSDDrafter(Drafter):
     name: str = "hsd"
     cfg: FeatureConfig | None = None
     layers: tuple[int, ...] = ()  # fused target layer indices (into the forward's ``layers``)
-    depth: int = 5
-    width: int = 4
-    budget: int = 8  # nodes verified besides the root
+    depth: int = 4
+    width: int = 3
+    budget: int = 5  # nodes verified besides the root
     min_prob: float = 0.0
-    policy: str = "reuse"
+    policy: str = "min2"
 
     def __post_init__(self):
         object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
         object.__setattr__(self, "max_depth", self.depth)
         if not self.tiers:  # smaller verification passes when min_prob leaves few nodes valid
-            object.__setattr__(self, "tiers", tuple(sorted({min(3, 1 + self.budget), 1 + self.budget // 2,
-                                                            1 + self.budget})))
+            sizes = {1, min(3, 1 + self.budget), 1 + self.budget // 2} if self.min_prob > 0 else set()
+            object.__setattr__(self, "tiers", tuple(sorted(sizes | {1 + self.budget})))
 
     @property
     def prompt_layers(self) -> tuple[int, ...]:
