@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import socket
 import subprocess
 import sys

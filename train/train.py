@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int, Shaped
+from jaxtyping import Array, Bool, Float, Shaped
 
 from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, init_net
 from hsdjax.errors import HsdjaxError

@@ -17,6 +17,7 @@ import numpy as np
 
 from hsdjax.drafters.feature import FeatureConfig
 from hsdjax.errors import HsdjaxError
+from hsdjax.weights import flatten, unflatten
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 FORMAT = "hsdjax-feature-drafter/1"
@@ -26,35 +27,13 @@ def shipped_path(model_name: str, method: str) -> Path:
     return SHIPPED_DIR / f"{model_name}-{method}.safetensors"
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = np.asarray(value)
-    return out
-
-
-def _unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for name, value in flat.items():
-        node = tree
-        *path, leaf = name.split(".")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
-
-
 def save_drafter(path: Path, cfg: FeatureConfig, params: Any, vocab_ids: np.ndarray, layers: tuple[int, ...],
                  target: Any, info: dict[str, Any]) -> Path:
     """Write a checkpoint (weights in bfloat16)."""
     from safetensors.numpy import save_file
 
     tensors = {f"net.{k}": np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
-               for k, v in _flatten(jax.device_get(params)).items()}
+               for k, v in flatten(jax.device_get(params)).items()}
     tensors["vocab_ids"] = np.asarray(vocab_ids, np.int32)
     meta = {"format": FORMAT, "config": json.dumps(cfg.to_json()), "layers": json.dumps(list(layers)),
             "target": target.name, "target_fingerprint": target.fingerprint, "info": json.dumps(info)}
@@ -98,7 +77,7 @@ def load_drafter(path: str | Path, target: Any, method: str) -> tuple[FeatureCon
         raise HsdjaxError(f"{path.name} is a {cfg.method} drafter, not {method}")
     flat = load_file(str(path))
     vocab_ids = flat.pop("vocab_ids").astype(np.int32)
-    net = _unflatten({k[4:]: v.astype(np.float32) for k, v in flat.items() if k.startswith("net.")})
+    net = unflatten({k[4:]: v.astype(np.float32) for k, v in flat.items() if k.startswith("net.")})
     return cfg, meta["layers"], bind(net, vocab_ids, target.params, target.cfg), meta
 
 

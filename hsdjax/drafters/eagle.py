@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float
 
-from hsdjax.drafters.base import Drafter, DraftCost
+from hsdjax.drafters.base import DraftCost
 from hsdjax.drafters.dynamic_tree import grow_tree
-from hsdjax.drafters.feature import (FeatureConfig, FeatureDrafterNet, attend_and_finish, init_context, ingest)
+from hsdjax.drafters.feature import FeatureDrafter, FeatureDrafterNet, attend_and_finish, init_context, ingest
 
 
 @struct.dataclass
@@ -29,28 +29,8 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter(Drafter):
+class EagleDrafter(FeatureDrafter):
     name: str = "eagle"
-    cfg: FeatureConfig | None = None
-    layers: tuple[int, ...] = ()
-    depth: int = 4
-    width: int = 3
-    budget: int = 5
-    min_prob: float = 0.0
-
-    def __post_init__(self):
-        object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
-        object.__setattr__(self, "max_depth", self.depth)
-        if not self.tiers:  # smaller verification passes when min_prob leaves few nodes valid
-            sizes = {1, min(3, 1 + self.budget), 1 + self.budget // 2} if self.min_prob > 0 else set()
-            object.__setattr__(self, "tiers", tuple(sorted(sizes | {1 + self.budget})))
-
-    @property
-    def prompt_layers(self) -> tuple[int, ...]:
-        return self.layers
-
-    def _net(self) -> FeatureDrafterNet:
-        return FeatureDrafterNet(self.cfg)
 
     def _inputs(self, dparams, fused, next_tokens):
         net, p = self._net(), dparams["net"]

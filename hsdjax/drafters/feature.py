@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from hsdjax.drafters.base import Drafter
 from hsdjax.model import NEG_INF, apply_rope, rms_norm, rope_tables
 
 
@@ -236,3 +237,31 @@ def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array]
     values = jnp.concatenate([ctx["v"], local_v], axis=1)
     mask = jnp.concatenate([jnp.broadcast_to(ctx_mask, (*local_mask.shape[:2], s)), local_mask], axis=2)
     return net.apply({"params": params}, x, gqa_attention(q, keys, values, mask), method=FeatureDrafterNet.finish)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDrafter(Drafter):
+    """Settings shared by `hsd` and `eagle`: the network's config, the fused target layers, and the
+    dynamic tree (``depth`` x ``width`` candidates, the ``budget`` best verified, optionally only those
+    above ``min_prob``, then at the smallest tier that holds them)."""
+
+    cfg: FeatureConfig | None = None
+    layers: tuple[int, ...] = ()  # fused target layer indices (into the forward's ``layers``)
+    depth: int = 4
+    width: int = 3
+    budget: int = 5  # nodes verified besides the root
+    min_prob: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
+        object.__setattr__(self, "max_depth", self.depth)
+        if not self.tiers:  # smaller verification passes when min_prob leaves few nodes valid
+            sizes = {1, min(3, 1 + self.budget), 1 + self.budget // 2} if self.min_prob > 0 else set()
+            object.__setattr__(self, "tiers", tuple(sorted(sizes | {1 + self.budget})))
+
+    @property
+    def prompt_layers(self) -> tuple[int, ...]:
+        return self.layers
+
+    def _net(self) -> FeatureDrafterNet:
+        return FeatureDrafterNet(self.cfg)

@@ -17,16 +17,15 @@ fewer than N kept states remain).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from hsdjax.drafters.base import Drafter, DraftCost
+from hsdjax.drafters.base import DraftCost
 from hsdjax.drafters.dynamic_tree import grow_tree
-from hsdjax.drafters.feature import (FeatureConfig, FeatureDrafterNet, attend_and_finish, init_context, ingest)
+from hsdjax.drafters.feature import FeatureDrafter, FeatureDrafterNet, attend_and_finish, init_context, ingest
 
 POLICIES = ("reuse", "refresh", "min1", "min2", "min3")
 
@@ -42,29 +41,9 @@ class HSDState:
 
 
 @dataclasses.dataclass(frozen=True)
-class HSDDrafter(Drafter):
+class HSDDrafter(FeatureDrafter):
     name: str = "hsd"
-    cfg: FeatureConfig | None = None
-    layers: tuple[int, ...] = ()  # fused target layer indices (into the forward's ``layers``)
-    depth: int = 4
-    width: int = 3
-    budget: int = 5  # nodes verified besides the root
-    min_prob: float = 0.0
     policy: str = "min2"
-
-    def __post_init__(self):
-        object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
-        object.__setattr__(self, "max_depth", self.depth)
-        if not self.tiers:  # smaller verification passes when min_prob leaves few nodes valid
-            sizes = {1, min(3, 1 + self.budget), 1 + self.budget // 2} if self.min_prob > 0 else set()
-            object.__setattr__(self, "tiers", tuple(sorted(sizes | {1 + self.budget})))
-
-    @property
-    def prompt_layers(self) -> tuple[int, ...]:
-        return self.layers
-
-    def _net(self) -> FeatureDrafterNet:
-        return FeatureDrafterNet(self.cfg)
 
     # ------------------------------------------------------------------ state
     def init_state(self, dparams, gen, prompt_fwd):
