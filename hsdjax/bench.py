@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from hsdjax.errors import HsdjaxError
+from hsdjax.jsonl import read_objects
 
 
 @dataclass(frozen=True)
@@ -40,20 +41,8 @@ class Question:
 def read_questions(path: str | Path) -> list[Question]:
     """Parse a Spec-Bench question file; a bad line is reported with its number."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise HsdjaxError(f"cannot read question file {path}: {exc.strerror or exc}") from None
     out, seen = [], set()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise HsdjaxError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-        if not isinstance(item, dict):
-            raise HsdjaxError(f"{path}:{n}: expected a JSON object")
+    for n, item in read_objects(path, "question file"):
         qid, cat, turns = item.get("question_id"), item.get("category", "default"), item.get("turns")
         if not isinstance(qid, int) or isinstance(qid, bool):
             raise HsdjaxError(f"{path}:{n}: 'question_id' must be an integer")

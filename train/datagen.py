@@ -27,6 +27,7 @@ from jaxtyping import Array
 from hsdjax.drafters.base import ARDrafter
 from hsdjax.drafters.checkpoint import frozen_from_target
 from hsdjax.errors import HsdjaxError
+from hsdjax.jsonl import read_objects
 from hsdjax.sharding import to_host
 
 
@@ -43,20 +44,13 @@ def read_prompts(path: str | Path, exclude_sources: list[str]) -> list[dict[str,
     if not path.is_file():
         raise HsdjaxError(f"training prompts not found: {path}")
     rows = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise HsdjaxError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise HsdjaxError(f"{path}:{n}: expected an object with a string 'prompt'")
-            source = str(obj.get("source", ""))
-            if any(source == s or source.startswith(s + ":") for s in exclude_sources):
-                continue
-            rows.append({"prompt": obj["prompt"], "source": source})
+    for n, obj in read_objects(path, "training prompts"):
+        if not isinstance(obj.get("prompt"), str):
+            raise HsdjaxError(f"{path}:{n}: expected an object with a string 'prompt'")
+        source = str(obj.get("source", ""))
+        if any(source == s or source.startswith(s + ":") for s in exclude_sources):
+            continue
+        rows.append({"prompt": obj["prompt"], "source": source})
     if not rows:
         raise HsdjaxError(f"{path}: no prompts left after excluding sources {exclude_sources}")
     return rows
