@@ -123,3 +123,20 @@ def test_tree_keeps_best_nodes_with_their_ancestors():
     kept = np.asarray(cum[0])[valid][1:]
     dropped = np.asarray(cum[0])[~valid]
     assert kept.min() >= dropped.max()
+
+
+@pytest.mark.parametrize("method", ["hsd", "eagle"])
+def test_shipped_drafters_load_for_the_default_model(smollm, method):
+    """The committed checkpoints bind to the installed SmolLM2 (weights fingerprint) and are small."""
+    from hsdjax.drafters import make_drafter
+    from hsdjax.drafters.checkpoint import read_meta, shipped_path
+
+    path = shipped_path(smollm.name, method)
+    assert path.stat().st_size <= 10_000_000
+    meta = read_meta(path)
+    assert meta["target_fingerprint"] == smollm.fingerprint
+    assert "codealpaca" not in meta["info"]["sources"] and meta["info"]["sources"]
+    drafter, dparams = make_drafter(method, smollm)
+    assert drafter.name == method and drafter.cfg.method == method
+    assert len(jax.tree_util.tree_leaves(dparams["net"])) >= 12  # every weight came back, nested as trained
+    assert dparams["head"].shape == (drafter.cfg.vocab, smollm.cfg.hidden_size)

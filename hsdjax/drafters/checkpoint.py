@@ -32,8 +32,8 @@ def save_drafter(path: Path, cfg: FeatureConfig, params: Any, vocab_ids: np.ndar
     """Write a checkpoint (weights in bfloat16)."""
     from safetensors.numpy import save_file
 
-    tensors = {f"net.{k}": np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
-               for k, v in flatten(jax.device_get(params)).items()}
+    tensors = {"net." + k.replace("/", "."): np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
+               for k, v in flatten(jax.device_get(params)).items()}  # tensor names: net.layer.wq ...
     tensors["vocab_ids"] = np.asarray(vocab_ids, np.int32)
     meta = {"format": FORMAT, "config": json.dumps(cfg.to_json()), "layers": json.dumps(list(layers)),
             "target": target.name, "target_fingerprint": target.fingerprint, "info": json.dumps(info)}
@@ -77,7 +77,7 @@ def load_drafter(path: str | Path, target: Any, method: str) -> tuple[FeatureCon
         raise HsdjaxError(f"{path.name} is a {cfg.method} drafter, not {method}")
     flat = load_file(str(path))
     vocab_ids = flat.pop("vocab_ids").astype(np.int32)
-    net = unflatten({k[4:]: v.astype(np.float32) for k, v in flat.items() if k.startswith("net.")})
+    net = unflatten({k[4:].replace(".", "/"): v.astype(np.float32) for k, v in flat.items() if k.startswith("net.")})
     return cfg, meta["layers"], bind(net, vocab_ids, target.params, target.cfg), meta
 
 
