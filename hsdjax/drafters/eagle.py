@@ -91,7 +91,5 @@ class EagleDrafter(FeatureDrafter):
         idx = jnp.clip(gen_before.seq_len[:, None] + jnp.arange(t)[None, :], 0, gen_after.seq.shape[1] - 1)
         next_tokens = jnp.take_along_axis(gen_after.seq, idx, axis=1)  # the token after each path node
         ctx, last = ingest(self._net(), dparams["net"], state.ctx, self._inputs(dparams, fused, next_tokens), count)
-        root_out = jnp.where(active[:, None], last, state.root_out)
-        ctx = jax.tree_util.tree_map(lambda new, old: jnp.where(active.reshape(-1, *([1] * (new.ndim - 1))), new, old),
-                                     ctx, state.ctx)
-        return EagleState(ctx=ctx, root_out=root_out)
+        # finished rows ingest nothing (count 0), so their context is unchanged without a copy
+        return EagleState(ctx=ctx, root_out=jnp.where(active[:, None], last, state.root_out))

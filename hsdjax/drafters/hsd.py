@@ -140,5 +140,7 @@ class HSDDrafter(FeatureDrafter):
         new = HSDState(ctx=ctx, chain=take(state.chain).at[:, 0].set(fresh_state), chain_k=take(state.chain_k),
                        chain_v=take(state.chain_v), n_chain=n_chain,
                        fresh=jnp.zeros_like(state.fresh).at[:, 0].set(1))
+        # finished rows ingest nothing (count 0): only their small chain fields need restoring
         keep_old = lambda a, b: jnp.where(active.reshape(-1, *([1] * (a.ndim - 1))), b, a)  # noqa: E731
-        return jax.tree_util.tree_map(keep_old, state, new)
+        chain = jax.tree_util.tree_map(keep_old, state.replace(ctx=()), new.replace(ctx=()))
+        return chain.replace(ctx=ctx)
