@@ -59,6 +59,34 @@ def read_questions(path: str | Path) -> list[Question]:
     return out
 
 
+def select_questions(files: Sequence[str | Path], limit: int | None = None,
+                     per_category: int | None = None) -> tuple[list[Question], list[str]]:
+    """The questions to run, in file order: the first ``per_category`` of each category, then the first
+    ``limit``, of each file. Spec-Bench answer files need one id per question, so a file whose ids collide
+    with an earlier file's is renumbered by a multiple of 1000 (said in the returned notes)."""
+    out: list[Question] = []
+    notes: list[str] = []
+    seen: set[int] = set()
+    for f in files:
+        qs = read_questions(f)
+        if per_category is not None:
+            counts: dict[str, int] = {}
+            keep = []
+            for q in qs:
+                counts[q.category] = counts.get(q.category, 0) + 1
+                if counts[q.category] <= per_category:
+                    keep.append(q)
+            qs = keep
+        qs = qs[:limit]
+        if seen & {q.question_id for q in qs}:
+            offset = (max(seen) // 1000 + 1) * 1000
+            qs = [Question(q.question_id + offset, q.category, q.turns) for q in qs]
+            notes.append(f"{Path(f).name}: question ids + {offset} (they collide with an earlier file's)")
+        seen |= {q.question_id for q in qs}
+        out += qs
+    return out, notes
+
+
 @dataclass
 class Turn:
     text: str
@@ -227,7 +255,7 @@ def _fmt(v: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [f"# hsdjax bench: {meta['model']}", "",
-             f"{meta['questions']} questions ({', '.join(meta['files'])}), up to {meta['max_new_tokens']} new tokens "
+             f"{meta['questions']} questions ({', '.join(meta['files'])}; {meta.get('selection', 'all')}), up to {meta['max_new_tokens']} new tokens "
              f"per turn, temperature {meta['temperature']}, {meta['started']}. Speed: Spec-Bench arithmetic (mean over "
              "questions of new tokens / wall time; speed-up = ratio of means vs `ar`; compile excluded).", ""]
     cats = sorted({c for m in summary.values() for c in m["by_category"] if c != "overall"}) + ["overall"]
@@ -299,28 +327,31 @@ def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, in
 
 
 def run_bench(model_name: str | None, methods: Sequence[str], question_files: Sequence[str], out: str | Path, *,
-              max_new_tokens: int = 256, temperature: float = 0.0, limit: int | None = None, seed: int = 0,
+              max_new_tokens: int = 256, temperature: float = 0.0, limit: int | None = None,
+              per_category: int | None = None, seed: int = 0,
               method_options: dict[str, Any] | None = None, progress: bool = True, mesh: Any = None) -> dict[str, Any]:
     """Run (or resume) a benchmark; returns the report dict (also written to OUT/report.json).
 
     ``mesh`` (see ``hsdjax.sharding.make_mesh``) shards the target; None: one device."""
     from hsdjax.api import Generator, load_model
-    from hsdjax.drafters import METHODS
-    from hsdjax.peers import PEERS, Peer, peer_available
+    from hsdjax.drafters import FEATURE_METHODS, METHODS
+    from hsdjax.drafters.checkpoint import shipped_path
+    from hsdjax.peers import PEERS, peer_available, start_peers
 
     unknown = [m for m in methods if m not in METHODS and m not in PEERS]
     if unknown:
         raise HsdjaxError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}, "
                           f"peers: {', '.join(PEERS)}")
-    questions = [q for f in question_files for q in read_questions(f)[:limit]]
+    questions, notes = select_questions(question_files, limit, per_category)
     out = Path(out)
     (out / "answers").mkdir(parents=True, exist_ok=True)
     (out / "raw").mkdir(exist_ok=True)
     model = load_model(model_name, mesh=mesh)
-    notes: list[str] = []
     methods = list(dict.fromkeys(["ar", *methods]))
-    draft = (method_options or {}).get("draft_model") or (model.source.spec.draft_model if model.source.spec else None)
+    options = {k: v for k, v in (method_options or {}).items() if v is not None}
+    draft = options.get("draft_model") or (model.source.spec.draft_model if model.source.spec else None)
     runners: list[Any] = []
+    peer_names = []
     for m in methods:
         if m in PEERS:
             why = peer_available(m)
@@ -328,28 +359,37 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
                 why = f"{m} skipped: {model.name} has no draft model of its tokenizer"
             if why:
                 notes.append(why)
-                continue
-            runners.append(PeerMethod(Peer(m, model.name, model.tokenizer.stop_ids, draft=draft), model.tokenizer))
+            else:
+                peer_names.append(m)
         elif m == "sps" and not draft:
             notes.append(f"sps skipped: {model.name} has no draft model of its tokenizer")
+        elif m in FEATURE_METHODS and not options.get("drafter") and not shipped_path(model.name, m).exists():
+            notes.append(f"{m} skipped: no {m} drafter for {model.name} (train one with `hsdjax train-drafter`)")
         else:
-            opts = method_options if m != "ar" else {}
-            runners.append(LocalMethod(Generator(model, m, **{k: v for k, v in (opts or {}).items() if v is not None})))
+            runners.append(LocalMethod(Generator(model, m, **(options if m != "ar" else {}))))
+    peers, workers = start_peers(peer_names, model.name, model.tokenizer.stop_ids, draft=draft)
+    runners += [PeerMethod(peers[m], model.tokenizer) for m in peer_names]
+    if "llamacpp" in peers:
+        notes.append("llamacpp runs the GGUF's quantized kernels (weights as shipped, activations quantized "
+                     "on the fly), not float32 on the dequantized weights, so its greedy tokens may differ from ar")
     done = {r.name: {rec["question_id"] for rec in _read_jsonl(out / "raw" / f"{r.name}.jsonl")} for r in runners}
     todo = [(q, r) for i, q in enumerate(questions) for r in _rotate(runners, i) if q.question_id not in done[r.name]]
     if todo:
         _warm_up(runners, questions[0], max_new_tokens, temperature, seed)
-    bar = _bar(len(todo), progress)
-    for q, r in todo:
-        bar.set_description(f"{r.name} q{q.question_id}")
-        turns = answer_question(r, q, max_new_tokens, temperature, seed)
-        _append_jsonl(out / "raw" / f"{r.name}.jsonl", raw_record(q, turns))
-        _append_jsonl(out / "answers" / f"{r.name}.jsonl", answer_record(q, f"{model.name}-{r.name}", turns))
-        bar.update(1)
-    bar.close()
+    bars = _bars([r.name for r in runners], [sum(r is rr for _, rr in todo) for r in runners], progress)
+    try:
+        for q, r in todo:
+            turns = answer_question(r, q, max_new_tokens, temperature, seed)
+            _append_jsonl(out / "raw" / f"{r.name}.jsonl", raw_record(q, turns))
+            _append_jsonl(out / "answers" / f"{r.name}.jsonl", answer_record(q, f"{model.name}-{r.name}", turns))
+            bars[r.name].set_postfix_str(f"q{q.question_id}")
+            bars[r.name].update(1)
+    finally:
+        for bar in bars.values():
+            bar.close()
+        for w in workers:
+            w.close()
     for r in runners:
-        if isinstance(r, PeerMethod):
-            r.peer.close()
         finalize_answers(out / "answers" / f"{r.name}.jsonl")
     wanted = {q.question_id for q in questions}
     raw = {r.name: sorted((rec for rec in _read_jsonl(out / "raw" / f"{r.name}.jsonl")
@@ -358,7 +398,10 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
     raw = {k: list({rec["question_id"]: rec for rec in v}.values()) for k, v in raw.items()}
     summary = summarize(raw, {r.name for r in runners if r.external}, temperature == 0)
     hist = accept_histogram(raw)
+    selection = ", ".join(x for x in (f"first {per_category} per category" if per_category else "",
+                                       f"first {limit} per file" if limit else "") if x) or "all"
     meta = {"model": model.name, "questions": len(questions), "files": [Path(f).name for f in question_files],
+            "selection": selection, "method_options": options,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "notes": notes,
             "started": time.strftime("%Y-%m-%d %H:%M")}
     report = {"meta": meta, "summary": summary, "accept_histogram": hist,
@@ -382,7 +425,11 @@ def _warm_up(runners: Iterable[Any], q: Question, max_new: int, temperature: flo
         answer_question(r, q, min(max_new, 16), temperature, seed)
 
 
-def _bar(total: int, enabled: bool) -> Any:
+def _bars(names: list[str], totals: list[int], enabled: bool) -> dict[str, Any]:
+    """One progress bar (with its own ETA) per method."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="answer", disable=not enabled, dynamic_ncols=True)
+    width = max((len(n) for n in names), default=0)
+    return {n: tqdm(total=t, desc=n.ljust(width), unit="answer", position=i, disable=not enabled,
+                    dynamic_ncols=True, leave=True)
+            for i, (n, t) in enumerate(zip(names, totals))}

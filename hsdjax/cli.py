@@ -39,6 +39,14 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _positive_int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers >= 1, e.g. ``3,4,6``."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of whole numbers, e.g. 3,4,6")
+    return tuple(_positive_int(t) for t in items)
+
+
 def _float_in(lo: float, hi: float, lo_open: bool = False):
     def parse(text: str) -> float:
         try:
@@ -119,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=_positive_int, default=256)
     b.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.0)
     b.add_argument("--limit", type=_positive_int, default=None, help="first N questions of each file")
+    b.add_argument("--per-category", type=_positive_int, default=None,
+                   help="first N questions of each category of each file (before --limit)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", required=True, help="output folder")
     b.add_argument("--draft-model", default=None)
@@ -131,12 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "a few questions; print the tree size with the best expected tokens/s; "
                                    "--write makes it the default for this model, method and device.")
     t.add_argument("--model", default=None)
-    t.add_argument("--method", default="pld", choices=("pld", "sps"))
+    t.add_argument("--method", default="pld", choices=("pld", "sps", "hsd", "eagle"))
     t.add_argument("--questions", action="append", required=True)
     t.add_argument("--limit", type=_positive_int, default=4)
     t.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    t.add_argument("--max-depth", type=_positive_int, default=8)
+    t.add_argument("--max-depth", type=_positive_int, default=8, help="pld / sps: deepest tree tried")
     t.add_argument("--draft-model", default=None)
+    t.add_argument("--depths", type=_positive_int_list, default=(3, 4, 6), help="hsd / eagle: depths tried")
+    t.add_argument("--budgets", type=_positive_int_list, default=(3, 5, 8, 12),
+                   help="hsd / eagle: verified-node budgets tried")
+    t.add_argument("--width", type=_positive_int, default=3, help="hsd / eagle: tree width")
+    t.add_argument("--min-prob", type=_float_in(0.0, 1.0), default=None,
+                   help="hsd / eagle: drop draft nodes below this probability (the engine verifies a smaller tier)")
     t.add_argument("--write", action="store_true")
 
     tr = sub.add_parser("train-drafter", help="generate self-distillation data and train an hsd/eagle drafter",
@@ -345,7 +361,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     report = run_bench(args.model, methods, args.questions, args.out, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, limit=args.limit, seed=args.seed,
+                       temperature=args.temperature, limit=args.limit, per_category=args.per_category, seed=args.seed,
                        method_options=_method_options(args), mesh=mesh_from_args(args))
     from pathlib import Path
 
@@ -356,19 +372,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from hsdjax.drafters import FEATURE_METHODS
     from hsdjax.tune import tune
 
+    feature = args.method in FEATURE_METHODS
+    widths = (args.width,) if feature else (1, 2, 3)
     r = tune(args.model, args.method, args.questions, limit=args.limit, max_new_tokens=args.max_new_tokens,
-             max_depth=args.max_depth, draft_model=args.draft_model, write=args.write)
+             max_depth=args.max_depth, draft_model=args.draft_model, write=args.write, widths=widths,
+             depths=args.depths, budgets=args.budgets, min_prob=args.min_prob)
     print(f"verification pass cost on {r['backend']} ({r['model']}), relative to one token:")
     base = r["pass_cost_s"][1]
     print("  " + "  ".join(f"N={n}: {c / base:.2f}x" for n, c in r["pass_cost_s"].items()))
-    print(f"{'width':>5} {'depth':>5} {'nodes':>5} {'tokens/pass':>11} {'vs ar':>6}")
-    for c in sorted(r["candidates"], key=lambda c: -c["tokens_per_s"])[:8]:
-        print(f"{c['width']:>5} {c['depth']:>5} {c['nodes']:>5} {c['tokens_per_pass']:>11.2f} "
-              f"{c['tokens_per_s'] * base:>5.2f}x")
-    b = r["best"]
-    print(f"best: width {b['width']}, depth {b['depth']} (expected {b['tokens_per_s'] * base:.2f}x plain decoding)")
+    top = sorted(r["candidates"], key=lambda c: -c["tokens_per_s"])
+    if feature:
+        print(f"{'depth':>5} {'budget':>6} {'nodes':>6} {'tokens/pass':>11} {'drafter ms':>10} {'expected':>8} "
+              f"{'measured':>8}   (x one plain pass per token)")
+        for c in top:
+            print(f"{c['depth']:>5} {c['budget']:>6} {c['nodes']:>6.2f} {c['tokens_per_pass']:>11.2f} "
+                  f"{(c['pass_s'] - c['verify_s']) * 1e3:>10.1f} {c['tokens_per_s'] * base:>7.2f}x "
+                  f"{c['measured_tokens_per_s'] * base:>7.2f}x")
+        b = r["best"]
+        print(f"best: depth {b['depth']}, budget {b['budget']}, width {b['width']} "
+              f"(expected {b['tokens_per_s'] * base:.2f}x plain decoding)")
+    else:
+        print(f"{'width':>5} {'depth':>5} {'nodes':>5} {'tokens/pass':>11} {'vs ar':>6}")
+        for c in top[:8]:
+            print(f"{c['width']:>5} {c['depth']:>5} {c['nodes']:>5} {c['tokens_per_pass']:>11.2f} "
+                  f"{c['tokens_per_s'] * base:>5.2f}x")
+        b = r["best"]
+        print(f"best: width {b['width']}, depth {b['depth']} (expected {b['tokens_per_s'] * base:.2f}x plain decoding)")
     if r.get("written"):
         print(f"written to {r['written']}")
     return 0

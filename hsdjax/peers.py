@@ -1,16 +1,19 @@
 """External peers measured side by side with hsdjax: transformers and llama.cpp, each in a subprocess.
 
-A peer is a long-lived worker process (``python -m hsdjax.peers KIND MODEL ...``) speaking JSON lines,
+A worker is a long-lived process (``python -m hsdjax.peers KIND MODEL ...``) speaking JSON lines,
 so its memory stays bounded and its thread pool does not compete with XLA's inside one process:
 
 * once loaded it writes ``{"ready": true, "load_s": ...}``;
-* for each request ``{"ids": [...], "max_new_tokens": N}`` it generates greedily (batch 1, stopping at
-  the ``--eos`` ids) and answers ``{"tokens": [...], "prefill_s": s, "total_s": s}`` (``prefill_s`` is
-  the time to the first new token where the peer can report it, else 0).
+* for each request ``{"ids": [...], "max_new_tokens": N, "mode": M}`` it generates greedily (batch 1,
+  stopping at the ``--eos`` ids) and answers ``{"tokens": [...], "prefill_s": s, "total_s": s}``
+  (``prefill_s`` is the time to the first new token where the peer can report it, else 0), or
+  ``{"error": "..."}``.
 
-Kinds: ``hf`` (transformers ``generate``; with ``--assistant DRAFT`` assisted generation, with
-``--prompt-lookup N`` prompt lookup decoding) and ``llamacpp`` (llama-cpp-python on the GGUF as
-shipped). transformers loads the same GGUF with its own dequantizer, so it runs the same weights.
+Kinds and their modes: ``hf`` -- transformers ``generate``: ``plain`` (peer ``hf-ar``), ``lookup``
+(``hf-pld``, prompt lookup decoding) and, when started with ``--assistant DRAFT``, ``assisted``
+(``hf-assisted``); one worker serves all three with one copy of the weights. ``llamacpp`` --
+llama-cpp-python on the GGUF as shipped (quantized kernels, so its tokens may differ from float32).
+transformers loads the same GGUF with its own dequantizer, so it runs the same weights as hsdjax.
 torch, transformers and llama-cpp-python are optional (the ``test`` / ``llamacpp`` extras).
 """
 
@@ -27,12 +30,13 @@ from typing import Any, Sequence, TextIO
 
 from hsdjax.errors import HsdjaxError
 
-PEERS = {
-    "hf-ar": ("hf", []),
-    "hf-assisted": ("hf", ["--assistant", "{draft}"]),
-    "hf-pld": ("hf", ["--prompt-lookup", "10"]),
-    "llamacpp": ("llamacpp", []),
+PEERS = {  # name -> (worker kind, decoding mode)
+    "hf-ar": ("hf", "plain"),
+    "hf-assisted": ("hf", "assisted"),
+    "hf-pld": ("hf", "lookup"),
+    "llamacpp": ("llamacpp", "plain"),
 }
+PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt lookup: tokens proposed per guess
 
 
 def peer_available(name: str) -> str | None:
@@ -48,19 +52,19 @@ def peer_available(name: str) -> str | None:
     return None
 
 
-class Peer:
-    """Client of one worker process (started at once; ``wait_ready`` blocks until it has loaded)."""
+class Worker:
+    """Client of one worker process (started at once; ``wait_ready`` blocks until it has loaded).
 
-    def __init__(self, name: str, model: str, eos: Sequence[int], dtype: str = "float32", threads: int | None = None,
-                 draft: str | None = None):
-        kind, extra = PEERS[name]
-        if "{draft}" in " ".join(extra) and not draft:
-            raise HsdjaxError(f"{name} needs a draft model of the same tokenizer")
-        self.name, self.dtype = name, dtype
+    One ``hf`` worker serves ``hf-ar``, ``hf-assisted`` and ``hf-pld`` with one copy of the weights."""
+
+    def __init__(self, kind: str, model: str, eos: Sequence[int], dtype: str = "float32",
+                 threads: int | None = None, assistant: str | None = None):
+        self.kind, self.dtype = kind, dtype
         self.log = tempfile.TemporaryFile("w+")
         cmd = [sys.executable, "-m", "hsdjax.peers", kind, model, "--dtype", dtype,
-               "--threads", str(threads or len(os.sched_getaffinity(0))), "--eos", ",".join(map(str, eos)),
-               *[a.format(draft=draft) for a in extra]]
+               "--threads", str(threads or len(os.sched_getaffinity(0))), "--eos", ",".join(map(str, eos))]
+        if assistant:
+            cmd += ["--assistant", assistant]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, bufsize=1)
         self.info: dict[str, Any] = {}
@@ -71,17 +75,20 @@ class Peer:
             rc = self.proc.wait()
             self.log.seek(0)
             tail = "".join(self.log.readlines()[-20:])
-            raise HsdjaxError(f"peer {self.name} exited (status {rc}); its last output:\n{tail}")
-        return json.loads(line)
+            raise HsdjaxError(f"peer worker {self.kind} exited (status {rc}); its last output:\n{tail}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise HsdjaxError(f"peer worker {self.kind}: {answer['error']}")
+        return answer
 
     def wait_ready(self) -> dict[str, Any]:
         if not self.info:
             self.info = self._answer()
         return self.info
 
-    def generate(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    def generate(self, ids: list[int], max_new_tokens: int, mode: str = "plain") -> dict[str, Any]:
         self.wait_ready()
-        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new_tokens}) + "\n")
+        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new_tokens, "mode": mode}) + "\n")
         return self._answer()
 
     def close(self) -> None:
@@ -93,6 +100,45 @@ class Peer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+class Peer:
+    """One named peer: a decoding mode of a worker (its own worker unless one is shared in)."""
+
+    def __init__(self, name: str, model: str, eos: Sequence[int], dtype: str = "float32", threads: int | None = None,
+                 draft: str | None = None, worker: Worker | None = None):
+        kind, self.mode = PEERS[name]
+        if self.mode == "assisted" and not draft:
+            raise HsdjaxError(f"{name} needs a draft model of the same tokenizer")
+        self.name, self.dtype = name, dtype
+        self.owns_worker = worker is None
+        self.worker = worker or Worker(kind, model, eos, dtype, threads, draft if self.mode == "assisted" else None)
+
+    def wait_ready(self) -> dict[str, Any]:
+        return self.worker.wait_ready()
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        return self.worker.generate(ids, max_new_tokens, self.mode)
+
+    def close(self) -> None:
+        if self.owns_worker:
+            self.worker.close()
+
+
+def start_peers(names: Sequence[str], model: str, eos: Sequence[int], dtype: str = "float32",
+                threads: int | None = None, draft: str | None = None) -> tuple[dict[str, Peer], list[Worker]]:
+    """The named peers over one worker per kind (so transformers' weights are loaded once)."""
+    workers: dict[str, Worker] = {}
+    peers = {}
+    for name in names:
+        kind, mode = PEERS[name]
+        if mode == "assisted" and not draft:
+            raise HsdjaxError(f"{name} needs a draft model of the same tokenizer")
+        if kind not in workers:
+            wants_draft = kind == "hf" and any(PEERS[n] == ("hf", "assisted") for n in names)
+            workers[kind] = Worker(kind, model, eos, dtype, threads, draft if wants_draft else None)
+        peers[name] = Peer(name, model, eos, dtype, threads, draft, worker=workers[kind])
+    return peers, list(workers.values())
 
 
 # ------------------------------------------------------------------------------------------- worker
@@ -139,13 +185,15 @@ def _hf_generator(args: argparse.Namespace, eos: list[int]):
 
     torch.set_num_threads(args.threads)
     model = _load_hf(args.model, args.dtype)
-    extra: dict[str, Any] = {}
-    if args.assistant:
-        extra["assistant_model"] = _load_hf(args.assistant, args.dtype)
-    if args.prompt_lookup:
-        extra["prompt_lookup_num_tokens"] = args.prompt_lookup
+    assistant = _load_hf(args.assistant, args.dtype) if args.assistant else None
+    modes: dict[str, dict[str, Any]] = {"plain": {}, "lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}}
+    if assistant is not None:
+        modes["assisted"] = {"assistant_model": assistant}
 
-    def generate(ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    def generate(ids: list[int], max_new_tokens: int, mode: str) -> dict[str, Any]:
+        if mode not in modes:
+            raise ValueError(f"mode {mode!r} not served by this worker (has: {', '.join(modes)})")
+        extra = modes[mode]
         prompt = torch.tensor([ids])
         stamps = _Stamps()
         t0 = time.perf_counter()
@@ -166,14 +214,15 @@ def _llamacpp_generator(args: argparse.Namespace, eos: list[int]):
     from hsdjax import registry
 
     llm = Llama(model_path=str(registry.resolve(args.model, check=False).path), n_ctx=4096,
-                n_threads=args.threads, verbose=False, logits_all=False)
+                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
 
-    def generate(ids: list[int], max_new_tokens: int) -> dict[str, Any]:
-        llm.reset()
+    def generate(ids: list[int], max_new_tokens: int, mode: str) -> dict[str, Any]:
+        if mode != "plain":
+            raise ValueError(f"mode {mode!r} not served by the llama.cpp worker")
         tokens: list[int] = []
         t0 = time.perf_counter()
         prefill = 0.0
-        for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        for tok in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
             if not tokens:
                 prefill = time.perf_counter() - t0
             tokens.append(int(tok))
@@ -191,8 +240,7 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--eos", required=True, help="comma-separated stop token ids")
-    parser.add_argument("--assistant", default=None, help="hf: assisted generation with this draft model")
-    parser.add_argument("--prompt-lookup", type=int, default=0, help="hf: prompt lookup, tokens per guess")
+    parser.add_argument("--assistant", default=None, help="hf: also serve assisted generation with this draft model")
     args = parser.parse_args(argv)
     eos = [int(i) for i in args.eos.split(",")]
     channel = _protocol_channel()
@@ -201,7 +249,11 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     channel.write(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "dtype": args.dtype}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
-        channel.write(json.dumps(generate(request["ids"], request["max_new_tokens"])) + "\n")
+        try:
+            answer = generate(request["ids"], request["max_new_tokens"], request.get("mode", "plain"))
+        except Exception as exc:  # answered, not fatal: the client raises it as one line
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        channel.write(json.dumps(answer) + "\n")
 
 
 if __name__ == "__main__":

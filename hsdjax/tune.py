@@ -9,9 +9,18 @@ Two measurements, then a small search (the automatic tree-size setting EAGLE-2 d
    for the same tree cut at depth d.
 
 Expected tokens per pass for (width, depth) is 1 + sum_{d <= depth} P(>= d); expected tokens/s divides
-it by the pass cost at N = 1 + width * depth (plus ``depth`` draft-model steps for ``sps``). The best
-setting is printed and, with ``--write``, stored where ``make_drafter`` picks it up for this model,
-method and device when no explicit --depth / --width is given.
+it by the pass cost at N = 1 + width * depth (plus ``depth`` draft-model steps for ``sps``).
+
+The feature drafters (``hsd``, ``eagle``) grow dynamic trees whose verified size is the ``budget``
+(fewer nodes when ``--min-prob`` drops unlikely ones), so a deep run cannot stand in for a smaller
+budget. Each (depth, budget) on a small grid decodes the questions for real; expected tokens/s is the
+measured tokens per pass over the pass cost at the measured mean number of verified nodes (the tier the
+engine really ran) plus the drafter's time per round at that depth (measured round time minus that pass
+cost, median over the budgets of one depth, so one noisy run does not decide). The measured tokens/s of
+each setting is printed beside the prediction.
+
+The best setting is printed and, with ``--write``, stored where ``make_drafter`` picks it up for this
+model, method and device when no explicit --depth / --width / --budget is given.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ def load_tuned(fingerprint: str, method: str) -> dict[str, int]:
     path = tuned_path(fingerprint, method)
     try:
         data = json.loads(path.read_text())
-        return {k: int(data[k]) for k in ("depth", "width") if k in data}
+        return {k: int(data[k]) for k in ("depth", "width", "budget") if k in data}
     except (OSError, ValueError, KeyError):
         return {}
 
@@ -101,40 +110,98 @@ def measure_acceptance(model: Any, method: str, prompts: Sequence[Any], width: i
     return [sum(a >= d + 1 for a in rounds) / len(rounds) for d in range(1, max_depth + 1)]
 
 
+FEATURE_DEPTHS = (3, 4, 6)
+FEATURE_BUDGETS = (3, 5, 8, 12)
+
+
+def measure_feature_setting(model: Any, method: str, prompts: Sequence[Any], depth: int, width: int, budget: int,
+                            max_new_tokens: int, min_prob: float | None) -> dict[str, float]:
+    """Decode the prompts with one tree setting; tokens per pass, verified nodes and seconds per round."""
+    from hsdjax.api import Generator
+
+    gen = Generator(model, method, depth=depth, width=width, budget=budget, min_prob=min_prob)
+    compile_s = gen.generate(prompts[0], max_new_tokens=4)[0].compile_s  # compile outside the timing
+    decoded = passes = 0
+    nodes = seconds = 0.0
+    for p in prompts:
+        r = gen.generate(p, max_new_tokens=max_new_tokens)[0]
+        n = r.stats["target_passes"]
+        decoded, passes = decoded + len(r.tokens) - 1, passes + n
+        nodes += (r.stats["mean_tree_nodes"] or 0) * n
+        seconds += r.decode_s
+    if not passes:
+        raise HsdjaxError("no decoding rounds to measure acceptance on")
+    return {"tokens_per_pass": decoded / passes, "mean_nodes": nodes / passes, "round_s": seconds / passes,
+            "measured_tokens_per_s": decoded / seconds, "compile_s": compile_s}
+
+
+def tune_feature(model: Any, method: str, prompts: Sequence[Any], costs: dict[int, float], *,
+                 depths: Sequence[int] = FEATURE_DEPTHS, budgets: Sequence[int] = FEATURE_BUDGETS, width: int = 3,
+                 max_new_tokens: int = 128, min_prob: float | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """Measure every feasible (depth, budget) and model its tokens/s (see the module docstring)."""
+    from tqdm.auto import tqdm
+
+    grid = [(d, b) for d in depths for b in budgets if b <= d * width]
+    if not grid:
+        raise HsdjaxError(f"no feasible setting: every budget exceeds depth x width ({width})")
+    rows = []
+    for d, b in tqdm(grid, desc=f"tune {method}", unit="setting", disable=not progress):
+        m = measure_feature_setting(model, method, prompts, d, width, b, max_new_tokens, min_prob)
+        verify_s = interpolate(costs, max(1, round(m["mean_nodes"])))
+        rows.append({"width": width, "depth": d, "budget": b, "nodes": m["mean_nodes"], "verify_s": verify_s,
+                     "drafter_s": max(m["round_s"] - verify_s, 0.0), **m})
+    for d in {r["depth"] for r in rows}:
+        drafter_s = statistics.median(r["drafter_s"] for r in rows if r["depth"] == d)
+        for r in rows:
+            if r["depth"] == d:
+                r["pass_s"] = r["verify_s"] + drafter_s
+                r["tokens_per_s"] = r["tokens_per_pass"] / r["pass_s"]
+    return rows
+
+
 def tune(model_name: str | None, method: str, question_files: Sequence[str], *, limit: int = 4,
          max_new_tokens: int = 128, max_depth: int = 8, widths: Sequence[int] = (1, 2, 3),
-         draft_model: str | None = None, write: bool = False) -> dict[str, Any]:
+         draft_model: str | None = None, write: bool = False, depths: Sequence[int] = FEATURE_DEPTHS,
+         budgets: Sequence[int] = FEATURE_BUDGETS, min_prob: float | None = None,
+         node_counts: Sequence[int] = NODE_COUNTS, progress: bool = True) -> dict[str, Any]:
     from hsdjax.api import load_model
     from hsdjax.bench import read_questions
+    from hsdjax.drafters import FEATURE_METHODS
 
-    if method not in ("pld", "sps"):
-        raise HsdjaxError(f"tune supports the tree methods pld and sps (got {method!r})")
+    if method not in ("pld", "sps", *FEATURE_METHODS):
+        raise HsdjaxError(f"tune supports the tree methods pld, sps, hsd and eagle (got {method!r})")
     model = load_model(model_name)
     prompts = [q.turns[0] for f in question_files for q in read_questions(f)[:limit]]
-    costs = pass_cost(model)
+    costs = pass_cost(model, nodes=node_counts)
     draft_step = 0.0
-    if method == "sps":
-        name = draft_model or (model.source.spec.draft_model if model.source.spec else None)
-        if not name:
-            raise HsdjaxError(f"{model.name} has no draft model; pass --draft-model")
-        draft_step = pass_cost(load_model(name), nodes=(1,))[1]
-        widths = (1,)
-    candidates = []
-    for w in widths:
-        accept = measure_acceptance(model, method, prompts, w, max_depth, max_new_tokens, draft_model)
-        for depth in range(1, max_depth + 1):
-            tokens = 1 + sum(accept[:depth])
-            seconds = interpolate(costs, 1 + w * depth) + draft_step * depth
-            candidates.append({"width": w, "depth": depth, "nodes": 1 + w * depth, "tokens_per_pass": tokens,
-                               "pass_s": seconds, "tokens_per_s": tokens / seconds,
-                               "accept_at_depth": accept[depth - 1]})
+    if method in FEATURE_METHODS:
+        candidates = tune_feature(model, method, prompts, costs, depths=depths, budgets=budgets,
+                                  width=max(widths), max_new_tokens=max_new_tokens, min_prob=min_prob,
+                                  progress=progress)
+    else:
+        if method == "sps":
+            name = draft_model or (model.source.spec.draft_model if model.source.spec else None)
+            if not name:
+                raise HsdjaxError(f"{model.name} has no draft model; pass --draft-model")
+            draft_step = pass_cost(load_model(name), nodes=(1,))[1]
+            widths = (1,)
+        candidates = []
+        for w in widths:
+            accept = measure_acceptance(model, method, prompts, w, max_depth, max_new_tokens, draft_model)
+            for depth in range(1, max_depth + 1):
+                tokens = 1 + sum(accept[:depth])
+                seconds = interpolate(costs, 1 + w * depth) + draft_step * depth
+                candidates.append({"width": w, "depth": depth, "nodes": 1 + w * depth, "tokens_per_pass": tokens,
+                                   "pass_s": seconds, "tokens_per_s": tokens / seconds,
+                                   "accept_at_depth": accept[depth - 1]})
     best = max(candidates, key=lambda c: c["tokens_per_s"])
     result = {"model": model.name, "method": method, "backend": jax.default_backend(),
               "pass_cost_s": costs, "draft_step_s": draft_step or None, "candidates": candidates,
               "best": best, "plain_tokens_per_s": 1 / costs[1]}
     if write:
         path = tuned_path(model.fingerprint, method)
-        setting = {"depth": best["depth"]} | ({"width": best["width"]} if method == "pld" else {})
+        keys = {"pld": ("depth", "width"), "sps": ("depth",)}.get(method, ("depth", "width", "budget"))
+        setting = {k: best[k] for k in keys}
         path.write_text(json.dumps(setting | {"source": "hsdjax tune", "expected": best}, indent=2))
         result["written"] = str(path)
     return result

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
-from hsdjax.bench import read_questions
+from hsdjax.bench import read_questions, select_questions
 from hsdjax.errors import HsdjaxError
 
 QUESTIONS = [
@@ -39,11 +40,13 @@ def test_bench_two_questions_two_methods(tmp_path):
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hsdjax.cli", "bench", "--methods", "ar,pld", "--questions", str(qfile),
-           "--max-new-tokens", "24", "--out", str(out)]
+    cmd = [sys.executable, "-m", "hsdjax.cli", "bench", "--methods", "ar,pld,hf-ar,hf-pld,hf-assisted,llamacpp",
+           "--questions", str(qfile), "--max-new-tokens", "24", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sorted(p.name for p in (out / "answers").iterdir()) == ["ar.jsonl", "pld.jsonl"]
+    has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
+    assert sorted(p.name for p in (out / "answers").iterdir()) == [
+        "ar.jsonl", "hf-ar.jsonl", "hf-pld.jsonl", *(["llamacpp.jsonl"] if has_llamacpp else []), "pld.jsonl"]
     ar = check_answer_file(out / "answers" / "ar.jsonl", [3, 7])
     pld = check_answer_file(out / "answers" / "pld.jsonl", [3, 7])
     assert [len(r["choices"][0]["turns"]) for r in ar] == [1, 2]
@@ -51,6 +54,18 @@ def test_bench_two_questions_two_methods(tmp_path):
     report = json.loads((out / "report.json").read_text())
     overall = report["summary"]["pld"]["by_category"]["overall"]
     assert overall["identical_to_ar"] is True and overall["speedup_vs_ar"] > 0
+    # transformers (one worker serving plain and prompt-lookup decoding) on the same weights: same tokens
+    for peer in ("hf-ar", "hf-pld"):
+        assert report["summary"][peer]["external"] is True
+        assert report["summary"][peer]["by_category"]["overall"]["identical_to_ar"] is True
+    assert any("hf-assisted skipped" in n for n in report["meta"]["notes"])  # SmolLM2 has no draft model
+    assert "hf-assisted skipped" in (out / "report.md").read_text()
+    if has_llamacpp:  # the GGUF as shipped, quantized kernels: its own tokens, marked external
+        check_answer_file(out / "answers" / "llamacpp.jsonl", [3, 7])
+        assert report["summary"]["llamacpp"]["external"] is True
+        assert any("quantized kernels" in n for n in report["meta"]["notes"])
+    else:
+        assert any("llamacpp skipped" in n and "hsdjax[llamacpp]" in n for n in report["meta"]["notes"])
     assert (out / "report.md").exists() and (out / "speedup_by_category.png").exists()
     # a rerun resumes: nothing is redone, nothing duplicated
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -79,3 +94,17 @@ def test_bench_cli_rejects_unknown_method_and_bad_file(tmp_path):
     assert proc.returncode == 2 and "unknown method" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "q.jsonl:2" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_question_selection_per_category_and_colliding_ids(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"question_id": i, "category": "xy"[i % 2], "turns": [f"q{i}"]}) + "\n"
+                         for i in range(6)))
+    b.write_text("".join(json.dumps({"question_id": i, "category": "z", "turns": [f"r{i}"]}) + "\n" for i in range(3)))
+    qs, notes = select_questions([a, b], per_category=2)
+    assert [q.question_id for q in qs] == [0, 1, 2, 3, 1000, 1001]  # b's ids collide with a's: renumbered
+    assert [q.turns[0] for q in qs[4:]] == ["r0", "r1"] and "b.jsonl" in notes[0]
+    qs, notes = select_questions([a, b], limit=1)
+    assert [q.question_id for q in qs] == [0, 1000]
+    qs, notes = select_questions([a], limit=2, per_category=1)
+    assert [q.question_id for q in qs] == [0, 1] and notes == []

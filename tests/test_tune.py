@@ -1,0 +1,60 @@
+"""`hsdjax tune`: measured pass costs and acceptance -> a tree setting that `make_drafter` then uses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import hsdjax.tune as tune_mod
+from hsdjax.drafters import make_drafter
+from hsdjax.errors import HsdjaxError
+
+QUESTION = {"question_id": 1, "category": "math",
+            "turns": ["Tom has 3 apples and buys 4 more. Then he gives 2 away. How many apples does he have?"]}
+
+
+@pytest.fixture()
+def qfile(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(QUESTION) + "\n")
+    return path
+
+
+@pytest.fixture()
+def tuned_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune_mod, "tuned_path", lambda fingerprint, method: tmp_path / f"{method}.json")
+    return tmp_path
+
+
+def test_tune_hsd_measures_each_budget_and_writes_the_default(qfile, tuned_dir, smollm):
+    r = tune_mod.tune("smollm2-135m", "hsd", [str(qfile)], limit=1, max_new_tokens=24, widths=(2,), depths=(2,),
+                      budgets=(2, 4, 9), node_counts=(1, 3, 5), write=True, progress=False)
+    rows = {(c["depth"], c["budget"]): c for c in r["candidates"]}
+    assert set(rows) == {(2, 2), (2, 4)}  # budget 9 > depth x width is not a tree of this shape
+    for (depth, budget), c in rows.items():
+        assert 1.0 <= c["tokens_per_pass"] <= depth + 1
+        assert 1.0 <= c["nodes"] <= budget + 1  # verified tier, root included
+        assert c["pass_s"] >= c["verify_s"] > 0 and c["tokens_per_s"] > 0 and c["measured_tokens_per_s"] > 0
+    assert set(r["pass_cost_s"]) == {1, 3, 5}
+    best = r["best"]
+    written = json.loads((tuned_dir / "hsd.json").read_text())
+    assert {k: written[k] for k in ("depth", "width", "budget")} == {k: best[k] for k in ("depth", "width", "budget")}
+    drafter, _ = make_drafter("hsd", smollm)  # no explicit tree options: the tuned setting applies
+    assert (drafter.depth, drafter.width, drafter.budget) == (best["depth"], best["width"], best["budget"])
+    drafter, _ = make_drafter("hsd", smollm, budget=3)  # explicit options win
+    assert drafter.budget == 3
+
+
+def test_tune_pld_expected_rate_follows_measured_acceptance(qfile, tuned_dir):
+    r = tune_mod.tune("smollm2-135m", "pld", [str(qfile)], limit=1, max_new_tokens=24, max_depth=3, widths=(1,),
+                      node_counts=(1, 2, 4), progress=False)
+    assert [c["depth"] for c in r["candidates"]] == [1, 2, 3]
+    tokens = [c["tokens_per_pass"] for c in r["candidates"]]
+    assert tokens == sorted(tokens) and tokens[0] >= 1.0  # deeper trees never accept less
+    assert not (tuned_dir / "pld.json").exists()  # nothing written without --write
+
+
+def test_tune_rejects_methods_without_a_tree(qfile):
+    with pytest.raises(HsdjaxError, match="tune supports"):
+        tune_mod.tune("smollm2-135m", "ar", [str(qfile)])
