@@ -331,6 +331,7 @@ class Generator:
                     "mean_accepted_length": round(decoded / passes, 4) if passes else None,
                     "target_passes": passes, "draft_steps": int(st.draft_passes[i]),
                     "mean_tree_nodes": round(int(st.tree_nodes[i]) / passes, 3) if passes else None,
+                    "mean_verified_nodes": round(int(st.verified_nodes[i]) / passes, 3) if passes else None,
                     "accept_hist": hist,
                     **_drafter_stats_of(self.drafter.name, st, i, passes),
                     "accept_lengths": st.round_log[i, :passes].tolist(),
@@ -343,6 +344,7 @@ def _drafter_stats_of(drafter_name: str, st: Any, i: int, passes: int) -> dict[s
     """Drafter work counters of row ``i`` (the same definitions for every drafting method)."""
     states, accepted = int(st.drafter_states[i]), int(st.accepted_drafts[i])
     out: dict[str, Any] = {"drafter_passes": int(st.draft_passes[i]), "drafter_states": states,
+                           "accepted_drafts": accepted,
                            "draft_utilisation": round(accepted / states, 4) if states else None}
     if drafter_name == "hsd":
         out["chain_steps"] = states

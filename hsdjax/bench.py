@@ -69,6 +69,12 @@ def select_questions(files: Sequence[str | Path], limit: int | None = None,
     seen: set[int] = set()
     for f in files:
         qs = read_questions(f)
+        ids = {q.question_id for q in qs}  # offsets come from whole files, so a selection cannot change them
+        offset = (max(seen) // 1000 + 1) * 1000 if seen & ids else 0
+        if offset:
+            qs = [Question(q.question_id + offset, q.category, q.turns) for q in qs]
+            notes.append(f"{Path(f).name}: question ids + {offset} (they collide with an earlier file's)")
+        seen |= {i + offset for i in ids}
         if per_category is not None:
             counts: dict[str, int] = {}
             keep = []
@@ -77,13 +83,7 @@ def select_questions(files: Sequence[str | Path], limit: int | None = None,
                 if counts[q.category] <= per_category:
                     keep.append(q)
             qs = keep
-        qs = qs[:limit]
-        if seen & {q.question_id for q in qs}:
-            offset = (max(seen) // 1000 + 1) * 1000
-            qs = [Question(q.question_id + offset, q.category, q.turns) for q in qs]
-            notes.append(f"{Path(f).name}: question ids + {offset} (they collide with an earlier file's)")
-        seen |= {q.question_id for q in qs}
-        out += qs
+        out += qs[:limit]
     return out, notes
 
 
@@ -96,6 +96,7 @@ class Turn:
     target_passes: int = 0
     draft_steps: int = 0
     drafter_states: int = 0
+    accepted_drafts: int = 0
 
 
 class LocalMethod:
@@ -106,10 +107,16 @@ class LocalMethod:
     def __init__(self, gen: Any):
         self.gen, self.name = gen, gen.method
 
+    def settings(self) -> dict[str, Any]:
+        """The drafter's effective options (tuned defaults included): what a resume must match."""
+        d = self.gen.drafter
+        fields = vars(d) if hasattr(d, "__dict__") else {}
+        return {k: v for k, v in sorted(fields.items()) if isinstance(v, (bool, int, float, str, type(None)))}
+
     def turn(self, messages: list[dict[str, str]], max_new: int, temperature: float, seed: int) -> Turn:
         r = self.gen.generate(messages, max_new_tokens=max_new, temperature=temperature, seed=seed)[0]
         return Turn(r.text, r.tokens, r.seconds, r.stats["accept_lengths"], r.stats["target_passes"],
-                    r.stats["draft_steps"], r.stats.get("drafter_states", 0))
+                    r.stats["draft_steps"], r.stats.get("drafter_states", 0), r.stats.get("accepted_drafts", 0))
 
 
 class PeerMethod:
@@ -119,6 +126,9 @@ class PeerMethod:
 
     def __init__(self, peer: Any, tokenizer: Any):
         self.peer, self.name, self.tokenizer = peer, peer.name, tokenizer
+
+    def settings(self) -> dict[str, Any]:
+        return {"dtype": self.peer.dtype}
 
     def turn(self, messages: list[dict[str, str]], max_new: int, temperature: float, seed: int) -> Turn:
         ids = self.tokenizer.encode_chat(messages)
@@ -156,8 +166,13 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    with path.open("a+b") as f:
+        f.seek(0, 2)
+        if f.tell():  # a line cut by a kill must not swallow this record
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(record) + "\n").encode())
 
 
 def answer_record(q: Question, model_id: str, turns: list[Turn]) -> dict[str, Any]:
@@ -171,11 +186,20 @@ def answer_record(q: Question, model_id: str, turns: list[Turn]) -> dict[str, An
     }
 
 
+def question_key(q: Question) -> str:
+    """A short hash of a question's turns: a resumed run must be answering the same questions."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(q.turns).encode()).hexdigest()[:16]
+
+
 def raw_record(q: Question, turns: list[Turn]) -> dict[str, Any]:
-    return {"question_id": q.question_id, "category": q.category, "tokens": [t.tokens for t in turns],
+    return {"question_id": q.question_id, "category": q.category, "key": question_key(q),
+            "tokens": [t.tokens for t in turns],
             "wall_time": [t.wall_time for t in turns], "accept_lengths": [t.accept_lengths for t in turns],
             "target_passes": [t.target_passes for t in turns], "draft_steps": [t.draft_steps for t in turns],
-            "drafter_states": [t.drafter_states for t in turns]}
+            "drafter_states": [t.drafter_states for t in turns],
+            "accepted_drafts": [t.accepted_drafts for t in turns]}
 
 
 def finalize_answers(path: Path) -> None:
@@ -216,10 +240,11 @@ def summarize(raw: dict[str, list[dict[str, Any]]], external: set[str], greedy: 
                 row["target_passes_per_token"] = passes / tokens if tokens else None
                 row["draft_steps_per_token"] = sum(sum(r["draft_steps"]) for r in rs) / tokens if tokens else None
                 states = sum(sum(r.get("drafter_states", [0])) for r in rs)
-                accepted = tokens - passes - sum(len(r["tokens"]) for r in rs)  # one token per turn is the prefill's
+                accepted = sum(sum(r["accepted_drafts"]) for r in rs)
                 row["draft_utilisation"] = accepted / states if states else None
             if greedy and bs:
-                row["identical_to_ar"] = all(r["tokens"] == base[r["question_id"]]["tokens"] for r in rs)
+                row["identical_to_ar"] = all(r["tokens"] == base[r["question_id"]]["tokens"] for r in rs
+                                         if r["question_id"] in base)
             rows[cat] = row
         out[method] = {"external": method in external, "by_category": rows}
     return out
@@ -260,7 +285,7 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
              "questions of new tokens / wall time; speed-up = ratio of means vs `ar`; compile excluded).", ""]
     cats = sorted({c for m in summary.values() for c in m["by_category"] if c != "overall"}) + ["overall"]
     header = ("| method | category | questions | tokens/s | speed-up vs ar | mean accepted length | "
-              "target passes / token | draft steps / token | draft utilisation | identical to ar |")
+              "target passes / token | drafter passes (chain steps) / token | draft utilisation | identical to ar |")
     lines += [header, "|" + " --- |" * 10]
     for cat in cats:
         for method, m in summary.items():
@@ -328,27 +353,76 @@ def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, in
 
 def run_bench(model_name: str | None, methods: Sequence[str], question_files: Sequence[str], out: str | Path, *,
               max_new_tokens: int = 256, temperature: float = 0.0, limit: int | None = None,
-              per_category: int | None = None, seed: int = 0,
+              per_category: int | None = None, seed: int = 0, peer_dtype: str = "float32",
               method_options: dict[str, Any] | None = None, progress: bool = True, mesh: Any = None) -> dict[str, Any]:
     """Run (or resume) a benchmark; returns the report dict (also written to OUT/report.json).
 
     ``mesh`` (see ``hsdjax.sharding.make_mesh``) shards the target; None: one device."""
-    from hsdjax.api import Generator, load_model
-    from hsdjax.drafters import FEATURE_METHODS, METHODS
-    from hsdjax.drafters.checkpoint import shipped_path
-    from hsdjax.peers import PEERS, peer_available, start_peers
+    from hsdjax.api import load_model
+    from hsdjax.drafters import METHODS
+    from hsdjax.peers import PEERS
 
     unknown = [m for m in methods if m not in METHODS and m not in PEERS]
     if unknown:
         raise HsdjaxError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}, "
                           f"peers: {', '.join(PEERS)}")
+    started = time.strftime("%Y-%m-%d %H:%M")
     questions, notes = select_questions(question_files, limit, per_category)
     out = Path(out)
+    options = {k: v for k, v in (method_options or {}).items() if v is not None}
+    model = load_model(model_name, mesh=mesh)
+    runners, workers = make_runners(model, list(dict.fromkeys(["ar", *methods])), options, temperature, peer_dtype,
+                                    notes)
+    settings = {"model": model.name, "fingerprint": model.fingerprint, "max_new_tokens": max_new_tokens,
+                "temperature": temperature, "seed": seed, "peer_dtype": peer_dtype,
+                "methods": {r.name: r.settings() for r in runners}}
+    try:
+        _check_settings(out, settings)
+        _answer_all(out, model.name, runners, questions, max_new_tokens, temperature, seed, progress)
+    finally:
+        for w in workers:
+            w.close()
+    selection = ", ".join(x for x in (f"first {per_category} per category" if per_category else "",
+                                       f"first {limit} per file" if limit else "") if x) or "all"
+    meta = {"model": model.name, "questions": len(questions), "files": [Path(f).name for f in question_files],
+            "selection": selection, "method_options": options, "max_new_tokens": max_new_tokens,
+            "temperature": temperature, "seed": seed, "notes": notes, "started": started}
+    return write_report(out, runners, questions, meta)
+
+
+def _check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """A resumed run must use the settings its earlier answers were made with (kept in OUT/run.json)."""
     (out / "answers").mkdir(parents=True, exist_ok=True)
     (out / "raw").mkdir(exist_ok=True)
-    model = load_model(model_name, mesh=mesh)
-    methods = list(dict.fromkeys(["ar", *methods]))
-    options = {k: v for k, v in (method_options or {}).items() if v is not None}
+    path = out / "run.json"
+    before = json.loads(path.read_text()) if path.exists() else {}
+    changed = [k for k in settings if k != "methods" and k in before and before[k] != settings[k]]
+    changed += [m for m, v in settings["methods"].items() if m in before.get("methods", {}) and before["methods"][m] != v]
+    if changed:
+        was = ", ".join(f"{k}={before.get(k, before.get('methods', {}).get(k))!r}" for k in changed)
+        raise HsdjaxError(f"{out} holds answers made with {was}; resume with the same settings or use a new --out")
+    merged = {**before, **settings, "methods": {**before.get("methods", {}), **settings["methods"]}}
+    path.write_text(json.dumps(merged, indent=1))  # methods added by a later run join the record
+
+
+METHOD_OPTIONS = {"ar": (), "pld": ("depth", "width"), "sps": ("depth", "draft_model"),
+                  "hsd": ("depth", "width", "budget", "policy", "drafter", "min_prob"),
+                  "eagle": ("depth", "width", "budget", "drafter", "min_prob")}
+
+
+def options_for(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The bench-wide options that apply to one method (``--policy`` only reaches hsd, and so on)."""
+    return {k: v for k, v in options.items() if k in METHOD_OPTIONS[method]}
+
+
+def make_runners(model: Any, methods: list[str], options: dict[str, Any], temperature: float, peer_dtype: str,
+                 notes: list[str]) -> tuple[list[Any], list[Any]]:
+    """Local methods and peers (over shared worker processes) that can run here; the rest are noted."""
+    from hsdjax.api import Generator
+    from hsdjax.drafters import FEATURE_METHODS
+    from hsdjax.drafters.checkpoint import shipped_path
+    from hsdjax.peers import PEERS, peer_available, start_peers
+
     draft = options.get("draft_model") or (model.source.spec.draft_model if model.source.spec else None)
     runners: list[Any] = []
     peer_names = []
@@ -357,6 +431,8 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
             why = peer_available(m)
             if why is None and m == "hf-assisted" and not draft:
                 why = f"{m} skipped: {model.name} has no draft model of its tokenizer"
+            if why is None and temperature > 0:
+                why = f"{m} skipped: peers decode greedily only (temperature {temperature} asked)"
             if why:
                 notes.append(why)
             else:
@@ -366,44 +442,61 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
         elif m in FEATURE_METHODS and not options.get("drafter") and not shipped_path(model.name, m).exists():
             notes.append(f"{m} skipped: no {m} drafter for {model.name} (train one with `hsdjax train-drafter`)")
         else:
-            runners.append(LocalMethod(Generator(model, m, **(options if m != "ar" else {}))))
-    peers, workers = start_peers(peer_names, model.name, model.tokenizer.stop_ids, draft=draft)
-    runners += [PeerMethod(peers[m], model.tokenizer) for m in peer_names]
+            runners.append(LocalMethod(Generator(model, m, **options_for(m, options))))
+    peers, workers = start_peers(peer_names, model.name, model.tokenizer.stop_ids, dtype=peer_dtype, draft=draft)
+    if peer_dtype != "float32" and any(PEERS[m][0] == "hf" for m in peer_names):
+        notes.append(f"transformers peers ran in {peer_dtype} (hsdjax: {model.cfg.dtype})")
     if "llamacpp" in peers:
         notes.append("llamacpp runs the GGUF's quantized kernels (weights as shipped, activations quantized "
                      "on the fly), not float32 on the dequantized weights, so its greedy tokens may differ from ar")
-    done = {r.name: {rec["question_id"] for rec in _read_jsonl(out / "raw" / f"{r.name}.jsonl")} for r in runners}
+    return runners + [PeerMethod(peers[m], model.tokenizer) for m in peer_names], workers
+
+
+def _answer_all(out: Path, model_name: str, runners: list[Any], questions: list[Question], max_new: int,
+                temperature: float, seed: int, progress: bool) -> None:
+    """Every runner on every question not answered yet, interleaved, each answer appended as it is done."""
+    keys = {q.question_id: question_key(q) for q in questions}
+    done: dict[str, set[int]] = {}
+    for r in runners:
+        done[r.name] = set()
+        for rec in _read_jsonl(out / "raw" / f"{r.name}.jsonl"):
+            qid = rec["question_id"]
+            if qid in keys and rec.get("key", keys[qid]) != keys[qid]:
+                raise HsdjaxError(f"{out}: question {qid} was answered for another question text (other question "
+                                  "files or another order?); use the same --questions or a new --out")
+            done[r.name].add(qid)
     todo = [(q, r) for i, q in enumerate(questions) for r in _rotate(runners, i) if q.question_id not in done[r.name]]
     if todo:
-        _warm_up(runners, questions[0], max_new_tokens, temperature, seed)
+        for r in runners:  # peers load in the background while local methods compile
+            if isinstance(r, PeerMethod) and any(rr is r for _, rr in todo):
+                r.peer.worker.start()
+        _warm_up([r for r in runners if any(rr is r for _, rr in todo)], questions[0], max_new, temperature, seed)
     bars = _bars([r.name for r in runners], [sum(r is rr for _, rr in todo) for r in runners], progress)
     try:
         for q, r in todo:
-            turns = answer_question(r, q, max_new_tokens, temperature, seed)
+            turns = answer_question(r, q, max_new, temperature, seed)
+            # the answer first: the raw record marks the question done
+            _append_jsonl(out / "answers" / f"{r.name}.jsonl", answer_record(q, f"{model_name}-{r.name}", turns))
             _append_jsonl(out / "raw" / f"{r.name}.jsonl", raw_record(q, turns))
-            _append_jsonl(out / "answers" / f"{r.name}.jsonl", answer_record(q, f"{model.name}-{r.name}", turns))
             bars[r.name].set_postfix_str(f"q{q.question_id}")
             bars[r.name].update(1)
     finally:
         for bar in bars.values():
             bar.close()
-        for w in workers:
-            w.close()
     for r in runners:
         finalize_answers(out / "answers" / f"{r.name}.jsonl")
+
+
+def write_report(out: Path, runners: list[Any], questions: list[Question], meta: dict[str, Any]) -> dict[str, Any]:
+    """report.json, report.md and the plots, over the selected questions of these runners."""
     wanted = {q.question_id for q in questions}
-    raw = {r.name: sorted((rec for rec in _read_jsonl(out / "raw" / f"{r.name}.jsonl")
-                           if rec["question_id"] in wanted), key=lambda rec: rec["question_id"])
-           for r in runners}
-    raw = {k: list({rec["question_id"]: rec for rec in v}.values()) for k, v in raw.items()}
-    summary = summarize(raw, {r.name for r in runners if r.external}, temperature == 0)
+    raw = {}
+    for r in runners:
+        recs = {rec["question_id"]: rec for rec in _read_jsonl(out / "raw" / f"{r.name}.jsonl")
+                if rec["question_id"] in wanted}  # the newest record per question
+        raw[r.name] = [recs[k] for k in sorted(recs)]
+    summary = summarize(raw, {r.name for r in runners if r.external}, meta["temperature"] == 0)
     hist = accept_histogram(raw)
-    selection = ", ".join(x for x in (f"first {per_category} per category" if per_category else "",
-                                       f"first {limit} per file" if limit else "") if x) or "all"
-    meta = {"model": model.name, "questions": len(questions), "files": [Path(f).name for f in question_files],
-            "selection": selection, "method_options": options,
-            "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "notes": notes,
-            "started": time.strftime("%Y-%m-%d %H:%M")}
     report = {"meta": meta, "summary": summary, "accept_histogram": hist,
               "per_depth_acceptance": {m: per_depth_acceptance(h) for m, h in hist.items()}}
     report["plots"] = write_plots(out, summary, hist)

@@ -40,21 +40,22 @@ _non_negative_int = _int_at_least(0)
 
 
 def _positive_int_list(text: str) -> tuple[int, ...]:
-    """A comma-separated list of whole numbers >= 1, e.g. ``3,4,6``."""
+    """A comma-separated list of whole numbers >= 1, e.g. ``3,4,6`` (repeats dropped)."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError("expected a comma-separated list of whole numbers, e.g. 3,4,6")
-    return tuple(_positive_int(t) for t in items)
+    return tuple(dict.fromkeys(_positive_int(t) for t in items))
 
 
-def _float_in(lo: float, hi: float, lo_open: bool = False):
+def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (lo < value if lo_open else lo <= value) or value > hi:
-            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        if not (lo < value if lo_open else lo <= value) or not (value < hi if hi_open else value <= hi):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, "
+                                             f"got {value}")
         return value
 
     return parse
@@ -70,6 +71,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=_positive_int, default=None,
                    help="hsd/eagle: tree nodes verified per round besides the root")
     p.add_argument("--policy", default=None, help="hsd: chain refresh policy: reuse, refresh, min1, min2, min3")
+    p.add_argument("--min-prob", type=_float_in(0.0, 1.0, hi_open=True), default=None,
+                   help="hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)")
     p.add_argument("--draft-model", default=None,
                    help="sps: the draft LM (default: the registry's draft model for --model)")
     p.add_argument("--depth", type=_positive_int, default=None, help="speculative: draft depth (tokens per guess)")
@@ -130,10 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--per-category", type=_positive_int, default=None,
                    help="first N questions of each category of each file (before --limit)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--peer-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="transformers peers' compute dtype (default float32, the same arithmetic as hsdjax on CPU)")
     b.add_argument("--out", required=True, help="output folder")
-    b.add_argument("--draft-model", default=None)
-    b.add_argument("--depth", type=_positive_int, default=None)
-    b.add_argument("--width", type=_positive_int, default=None)
+    b.add_argument("--draft-model", default=None, help="sps / hf-assisted: the draft LM")
+    b.add_argument("--depth", type=_positive_int, default=None, help="speculative methods: draft depth")
+    b.add_argument("--width", type=_positive_int, default=None, help="pld / hsd / eagle: tree width")
+    b.add_argument("--budget", type=_positive_int, default=None, help="hsd / eagle: nodes verified per round")
+    b.add_argument("--policy", default=None, help="hsd: chain refresh policy")
+    b.add_argument("--drafter", default=None, help="hsd / eagle: a drafter checkpoint (default: the shipped one)")
+    b.add_argument("--min-prob", type=_float_in(0.0, 1.0, hi_open=True), default=None,
+                   help="hsd / eagle: drop draft nodes below this probability")
     add_mesh_args(b)
 
     t = sub.add_parser("tune", help="choose the draft tree size for this device (cost vs acceptance)",
@@ -151,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--budgets", type=_positive_int_list, default=(3, 5, 8, 12),
                    help="hsd / eagle: verified-node budgets tried")
     t.add_argument("--width", type=_positive_int, default=3, help="hsd / eagle: tree width")
-    t.add_argument("--min-prob", type=_float_in(0.0, 1.0), default=None,
+    t.add_argument("--min-prob", type=_float_in(0.0, 1.0, hi_open=True), default=None,
                    help="hsd / eagle: drop draft nodes below this probability (the engine verifies a smaller tier)")
     t.add_argument("--write", action="store_true")
 
@@ -194,7 +204,7 @@ def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
 
 
 def _method_options(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("draft_model", "depth", "width", "budget", "policy", "drafter")
+    keys = ("draft_model", "depth", "width", "budget", "policy", "drafter", "min_prob")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -362,6 +372,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     report = run_bench(args.model, methods, args.questions, args.out, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, limit=args.limit, per_category=args.per_category, seed=args.seed,
+                       peer_dtype=args.peer_dtype,
                        method_options=_method_options(args), mesh=mesh_from_args(args))
     from pathlib import Path
 

@@ -157,13 +157,14 @@ class RoundStats:
     reused_states: Int[Array, " B"]  # states a tree used that were computed in an earlier round
     accepted_drafts: Int[Array, " B"]  # drafted tokens accepted (each used exactly one drafter state)
     tree_nodes: Int[Array, " B"]  # valid tree nodes verified, root included
+    verified_nodes: Int[Array, " B"]  # size of the target passes run (the tier, padding included)
     accept_hist: Int[Array, "B P"]  # accept_hist[b, k]: rounds that emitted k new tokens
     round_log: Int[Array, "B R"]  # round_log[b, r]: tokens emitted by round r (R = sequence buffer size)
 
     @classmethod
     def zeros(cls, batch: int, max_depth: int, max_rounds: int) -> "RoundStats":
         z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
+        return cls(z, z, z, z, z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
                    jnp.zeros((batch, max_rounds), jnp.int8))
 
 
@@ -238,11 +239,13 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
     tiers = tuple(t for t in drafter.tiers if t < tree.num_nodes) + (tree.num_nodes,)
     if len(tiers) == 1:
         cache, verdict, emitted, path_states = verify_round(params, cfg, drafter, gen, tree)
+        pass_size = jnp.int32(tree.num_nodes)
     else:
         needed = jnp.max(jnp.where(gen.done, 1, jnp.sum(tree.valid, axis=1)))  # finished rows don't count
         branches = [partial(lambda k, t: verify_round(params, cfg, drafter, gen, compact(t, k)), k) for k in tiers]
         tier = jnp.searchsorted(jnp.array(tiers), needed)
         cache, verdict, emitted, path_states = jax.lax.switch(tier, branches, tree)
+        pass_size = jnp.array(tiers, jnp.int32)[tier]
     active = ~gen.done
     new_gen, n_emitted = append_tokens(gen, cache, emitted, verdict.n_path, drafter.spare)
     draft = drafter.observe(dparams, draft, gen, new_gen, verdict, path_states)
@@ -255,6 +258,7 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
         reused_states=st.reused_states + cost.reused * on,
         accepted_drafts=st.accepted_drafts + (verdict.n_path - 1) * on,
         tree_nodes=st.tree_nodes + jnp.sum(tree.valid, axis=1) * on,
+        verified_nodes=st.verified_nodes + pass_size * on,
         accept_hist=st.accept_hist + jax.nn.one_hot(n_emitted, st.accept_hist.shape[1], dtype=jnp.int32) * on[:, None],
         round_log=_log_round(st.round_log, st.target_passes, n_emitted, active),
     )

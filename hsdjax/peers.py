@@ -53,21 +53,27 @@ def peer_available(name: str) -> str | None:
 
 
 class Worker:
-    """Client of one worker process (started at once; ``wait_ready`` blocks until it has loaded).
+    """Client of one worker process, started on ``start`` (or first use) and loading in the background;
+    ``wait_ready`` blocks until it has loaded.
 
     One ``hf`` worker serves ``hf-ar``, ``hf-assisted`` and ``hf-pld`` with one copy of the weights."""
 
     def __init__(self, kind: str, model: str, eos: Sequence[int], dtype: str = "float32",
                  threads: int | None = None, assistant: str | None = None):
         self.kind, self.dtype = kind, dtype
-        self.log = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-m", "hsdjax.peers", kind, model, "--dtype", dtype,
-               "--threads", str(threads or len(os.sched_getaffinity(0))), "--eos", ",".join(map(str, eos))]
+        self.cmd = [sys.executable, "-m", "hsdjax.peers", kind, model, "--dtype", dtype,
+                    "--threads", str(threads or len(os.sched_getaffinity(0))), "--eos", ",".join(map(str, eos))]
         if assistant:
-            cmd += ["--assistant", assistant]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, bufsize=1)
+            self.cmd += ["--assistant", assistant]
+        self.proc: subprocess.Popen | None = None
+        self.log: Any = None
         self.info: dict[str, Any] = {}
+
+    def start(self) -> None:
+        if self.proc is None:
+            self.log = tempfile.TemporaryFile("w+")
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                         text=True, bufsize=1)
 
     def _answer(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()
@@ -82,16 +88,22 @@ class Worker:
         return answer
 
     def wait_ready(self) -> dict[str, Any]:
+        self.start()
         if not self.info:
             self.info = self._answer()
         return self.info
 
     def generate(self, ids: list[int], max_new_tokens: int, mode: str = "plain") -> dict[str, Any]:
         self.wait_ready()
-        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new_tokens, "mode": mode}) + "\n")
+        try:
+            self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new_tokens, "mode": mode}) + "\n")
+        except OSError:  # the worker died: _answer reports its status and last output
+            pass
         return self._answer()
 
     def close(self) -> None:
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -100,6 +112,7 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        self.proc, self.info = None, {}
 
 
 class Peer:
@@ -113,6 +126,8 @@ class Peer:
         self.name, self.dtype = name, dtype
         self.owns_worker = worker is None
         self.worker = worker or Worker(kind, model, eos, dtype, threads, draft if self.mode == "assisted" else None)
+        if self.owns_worker:  # a worker of its own starts loading at once
+            self.worker.start()
 
     def wait_ready(self) -> dict[str, Any]:
         return self.worker.wait_ready()
@@ -222,6 +237,7 @@ def _llamacpp_generator(args: argparse.Namespace, eos: list[int]):
         tokens: list[int] = []
         t0 = time.perf_counter()
         prefill = 0.0
+        llm.reset()  # no prompt-prefix cache across requests: every engine here prefills the whole prompt
         for tok in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
             if not tokens:
                 prefill = time.perf_counter() - t0

@@ -44,11 +44,14 @@ def tuned_path(fingerprint: str, method: str) -> Path:
     return cache_dir("tuned") / f"{fingerprint[:16]}-{method}-{jax.default_backend()}.json"
 
 
-def load_tuned(fingerprint: str, method: str) -> dict[str, int]:
+def load_tuned(fingerprint: str, method: str) -> dict[str, Any]:
     path = tuned_path(fingerprint, method)
     try:
         data = json.loads(path.read_text())
-        return {k: int(data[k]) for k in ("depth", "width", "budget") if k in data}
+        tuned: dict[str, Any] = {k: int(data[k]) for k in ("depth", "width", "budget") if k in data}
+        if data.get("min_prob") is not None:
+            tuned["min_prob"] = float(data["min_prob"])
+        return tuned
     except (OSError, ValueError, KeyError):
         return {}
 
@@ -127,7 +130,7 @@ def measure_feature_setting(model: Any, method: str, prompts: Sequence[Any], dep
         r = gen.generate(p, max_new_tokens=max_new_tokens)[0]
         n = r.stats["target_passes"]
         decoded, passes = decoded + len(r.tokens) - 1, passes + n
-        nodes += (r.stats["mean_tree_nodes"] or 0) * n
+        nodes += (r.stats["mean_verified_nodes"] or 0) * n  # the tier really run, not just the valid nodes
         seconds += r.decode_s
     if not passes:
         raise HsdjaxError("no decoding rounds to measure acceptance on")
@@ -202,6 +205,8 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
         path = tuned_path(model.fingerprint, method)
         keys = {"pld": ("depth", "width"), "sps": ("depth",)}.get(method, ("depth", "width", "budget"))
         setting = {k: best[k] for k in keys}
+        if method in FEATURE_METHODS and min_prob:
+            setting["min_prob"] = min_prob  # the setting was measured with it
         path.write_text(json.dumps(setting | {"source": "hsdjax tune", "expected": best}, indent=2))
         result["written"] = str(path)
     return result

@@ -71,6 +71,10 @@ def test_bench_two_questions_two_methods(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     check_answer_file(out / "answers" / "ar.jsonl", [3, 7])
+    # resuming with other settings would mix answers: refused in one line
+    proc = subprocess.run([*cmd[:-4], "--max-new-tokens", "25", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "max_new_tokens=24" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("line,needle", [

@@ -50,8 +50,12 @@ def test_tune_pld_expected_rate_follows_measured_acceptance(qfile, tuned_dir):
     r = tune_mod.tune("smollm2-135m", "pld", [str(qfile)], limit=1, max_new_tokens=24, max_depth=3, widths=(1,),
                       node_counts=(1, 2, 4), progress=False)
     assert [c["depth"] for c in r["candidates"]] == [1, 2, 3]
-    tokens = [c["tokens_per_pass"] for c in r["candidates"]]
-    assert tokens == sorted(tokens) and tokens[0] >= 1.0  # deeper trees never accept less
+    accept = [c["accept_at_depth"] for c in r["candidates"]]
+    assert all(0.0 <= a <= 1.0 for a in accept) and accept == sorted(accept, reverse=True)  # P(>= d) falls with d
+    assert accept[0] > 0  # this prompt repeats its numbers: prompt lookup finds something
+    for c in r["candidates"]:
+        assert c["tokens_per_pass"] == pytest.approx(1 + sum(accept[: c["depth"]]))
+        assert c["nodes"] == 1 + c["depth"]
     assert not (tuned_dir / "pld.json").exists()  # nothing written without --write
 
 

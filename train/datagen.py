@@ -82,8 +82,19 @@ def top_k_blocked(logits: Array, k: int, block: int = 512) -> tuple[Array, Array
     return vals, ids
 
 
+def _writer_tag() -> str:
+    """Process index and pid: temporary file names no other writer uses."""
+    import jax
+
+    return f"{jax.process_index()}.{os.getpid()}"
+
+
 class DataWriter:
-    """Shards + manifest in one folder; writes are atomic (temporary file, then rename)."""
+    """Shards + manifest in one folder; writes are atomic (temporary file, then rename).
+
+    In a multi-process run every process computes the same replicated data and writes it; each writes
+    through its own temporary name, so a shared folder ends with one whole copy and local folders each
+    get theirs."""
 
     def __init__(self, folder: Path, meta: dict[str, Any]):
         self.folder = folder
@@ -97,7 +108,7 @@ class DataWriter:
 
     def add(self, arrays: dict[str, np.ndarray], prompts_done: int, seconds: float) -> None:
         name = f"shard_{len(self.manifest['shards']):05d}.npz"
-        tmp = self.folder / (name + ".tmp.npz")
+        tmp = self.folder / f"{name}.{_writer_tag()}.tmp.npz"
         np.savez(tmp, **arrays)
         os.replace(tmp, self.folder / name)
         n = int(arrays["tokens"].shape[0])
@@ -110,7 +121,7 @@ class DataWriter:
         self.save()
 
     def save(self) -> None:
-        tmp = self.manifest_path.with_suffix(".tmp")
+        tmp = self.manifest_path.with_suffix(f".{_writer_tag()}.tmp")
         tmp.write_text(json.dumps(self.manifest, indent=1))
         os.replace(tmp, self.manifest_path)
 

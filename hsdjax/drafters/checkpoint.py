@@ -7,6 +7,7 @@ embeddings come from the target's frozen weights, never from the file.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ def save_drafter(path: Path, cfg: FeatureConfig, params: Any, vocab_ids: np.ndar
     meta = {"format": FORMAT, "config": json.dumps(cfg.to_json()), "layers": json.dumps(list(layers)),
             "target": target.name, "target_fingerprint": target.fingerprint, "info": json.dumps(info)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{jax.process_index()}.{os.getpid()}.tmp")  # one per process: multi-host safe
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
     return path
