@@ -62,6 +62,20 @@ def test_hsd_and_eagle_greedy_equal_ar(target, tree, seed, max_new):
         assert got == want, method
 
 
+def test_prompt_bucket_as_long_as_the_cache(target):
+    """A 200-token prompt pads to 256, and 200 + 16 new tokens (+ tree slots) also fit a 256 cache: the
+    prompt bucket fills the whole buffer (a real MT-bench turn 2 hit this in `eagle`'s prompt ingest)."""
+    from hsdjax import engine
+
+    cfg, params = target
+    prompts = [list(np.random.RandomState(3).randint(0, cfg.vocab_size, 200))]
+    want = run_engine(cfg, params, prompts, 16)
+    for method in ("hsd", "eagle"):
+        drafter, dparams = feature_drafter(cfg, params, method, depth=3, width=2, budget=4)
+        assert engine.plan_shapes(cfg, 200, 16, spare=drafter.spare) == (256, 256)
+        assert run_engine(cfg, params, prompts, 16, drafter=drafter, dparams=dparams) == want, method
+
+
 @pytest.mark.parametrize("policy", ["reuse", "refresh", "min2"])
 def test_hsd_policies_are_lossless_and_reuse_counts(target, policy):
     cfg, params = target

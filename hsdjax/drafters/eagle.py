@@ -42,7 +42,10 @@ class EagleDrafter(FeatureDrafter):
         b, s = gen.seq.shape
         states = jnp.moveaxis(prompt_fwd["layers"], 0, 2)  # [B, P, F, E]
         p_len = states.shape[1]
-        x = self._inputs(dparams, states, gen.seq[:, 1: p_len + 1])
+        # the token after each prompt position; a prompt bucket as long as the buffer has no token after
+        # its last (padding) slot, so one pad column keeps the shapes equal
+        next_tokens = jnp.pad(gen.seq, ((0, 0), (0, 1)))[:, 1: p_len + 1]
+        x = self._inputs(dparams, states, next_tokens)
         ctx, last = ingest(self._net(), dparams["net"], init_context(self.cfg, b, s), x, gen.prompt_len)
         return EagleState(ctx=ctx, root_out=last)
 
