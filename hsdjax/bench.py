@@ -284,6 +284,13 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
              f"per turn, temperature {meta['temperature']}, {meta['started']}. Speed: Spec-Bench arithmetic (mean over "
              "questions of new tokens / wall time; speed-up = ratio of means vs `ar`; compile excluded).", ""]
     cats = sorted({c for m in summary.values() for c in m["by_category"] if c != "overall"}) + ["overall"]
+    lines += ["Speed-up over `ar` by category (Spec-Bench arithmetic):", "",
+              "| method | " + " | ".join(cats) + " | identical to ar |", "|" + " --- |" * (len(cats) + 2)]
+    for method, m in summary.items():
+        cells = [_fmt((m["by_category"].get(c) or {}).get("speedup_vs_ar"), ".2f", "x") for c in cats]
+        name = f"{method} (external)" if m["external"] else method
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(m['by_category']['overall'].get('identical_to_ar'))} |")
+    lines += ["", "Per category:", ""]
     header = ("| method | category | questions | tokens/s | speed-up vs ar | mean accepted length | "
               "target passes / token | drafter passes (chain steps) / token | draft utilisation | identical to ar |")
     lines += [header, "|" + " --- |" * 10]
@@ -314,15 +321,16 @@ def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, in
         return []
     written = []
     cats = sorted({c for m in summary.values() for c in m["by_category"]})
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * max(1, len(summary)) / 2), 4))
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(summary)}  # one colour per method everywhere
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 0.25 * len(cats) * len(summary))), 4.5))
     width = 0.8 / max(1, len(summary))
     for i, (method, m) in enumerate(summary.items()):
         vals = [(m["by_category"].get(c) or {}).get("speedup_vs_ar") or 0 for c in cats]
-        ax.bar([j + i * width for j in range(len(cats))], vals, width, label=method)
+        ax.bar([j + i * width for j in range(len(cats))], vals, width, label=method, color=colors[method])
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([j + width * (len(summary) - 1) / 2 for j in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speed-up over ar")
-    ax.legend()
+    ax.legend(ncol=2, fontsize="small")
     fig.tight_layout()
     fig.savefig(out / "speedup_by_category.png", dpi=110)
     plt.close(fig)
@@ -331,10 +339,10 @@ def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, in
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
         for method, h in hist.items():
             total = sum(h.values())
-            a1.plot(list(h), [c / total for c in h.values()], marker="o", label=method)
+            a1.plot(list(h), [c / total for c in h.values()], marker="o", label=method, color=colors[method])
             depth = per_depth_acceptance(h)
             if depth:
-                a2.plot(range(1, len(depth) + 1), depth, marker="o", label=method)
+                a2.plot(range(1, len(depth) + 1), depth, marker="o", label=method, color=colors[method])
         a1.set_xlabel("tokens per target pass")
         a1.set_ylabel("share of rounds")
         a1.legend()
@@ -378,6 +386,7 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
                 "methods": {r.name: r.settings() for r in runners}}
     try:
         _check_settings(out, settings)
+        started = json.loads((out / "run.json").read_text()).get("started", started)
         _answer_all(out, model.name, runners, questions, max_new_tokens, temperature, seed, progress)
     finally:
         for w in workers:
@@ -401,7 +410,8 @@ def _check_settings(out: Path, settings: dict[str, Any]) -> None:
     if changed:
         was = ", ".join(f"{k}={before.get(k, before.get('methods', {}).get(k))!r}" for k in changed)
         raise HsdjaxError(f"{out} holds answers made with {was}; resume with the same settings or use a new --out")
-    merged = {**before, **settings, "methods": {**before.get("methods", {}), **settings["methods"]}}
+    merged = {"started": time.strftime("%Y-%m-%d %H:%M"), **before, **settings,
+              "methods": {**before.get("methods", {}), **settings["methods"]}}
     path.write_text(json.dumps(merged, indent=1))  # methods added by a later run join the record
 
 

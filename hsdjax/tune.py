@@ -16,8 +16,9 @@ The feature drafters (``hsd``, ``eagle``) grow dynamic trees whose verified size
 budget. Each (depth, budget) on a small grid decodes the questions for real; expected tokens/s is the
 measured tokens per pass over the pass cost at the measured mean number of verified nodes (the tier the
 engine really ran) plus the drafter's time per round at that depth (measured round time minus that pass
-cost, median over the budgets of one depth, so one noisy run does not decide). The measured tokens/s of
-each setting is printed beside the prediction.
+cost, median over the budgets of one depth, so one noisy run does not decide). Standalone pass costs
+are scaled to plain decoding's measured step inside the loop (``ar`` on the same prompts, which also
+gives the measured speed-up printed beside each prediction).
 
 The best setting is printed and, with ``--write``, stored where ``make_drafter`` picks it up for this
 model, method and device when no explicit --depth / --width / --budget is given.
@@ -138,19 +139,39 @@ def measure_feature_setting(model: Any, method: str, prompts: Sequence[Any], dep
             "measured_tokens_per_s": decoded / seconds, "compile_s": compile_s}
 
 
+def measure_plain(model: Any, prompts: Sequence[Any], max_new_tokens: int) -> dict[str, float]:
+    """Plain decoding (``ar``) on the same prompts: its seconds per pass inside the decoding loop."""
+    from hsdjax.api import Generator
+
+    gen = Generator(model, "ar")
+    gen.generate(prompts[0], max_new_tokens=4)
+    decoded = passes = 0
+    seconds = 0.0
+    for p in prompts:
+        r = gen.generate(p, max_new_tokens=max_new_tokens)[0]
+        decoded, passes, seconds = decoded + len(r.tokens) - 1, passes + r.stats["target_passes"], seconds + r.decode_s
+    return {"round_s": seconds / max(passes, 1), "tokens_per_s": decoded / seconds if seconds else 0.0}
+
+
 def tune_feature(model: Any, method: str, prompts: Sequence[Any], costs: dict[int, float], *,
                  depths: Sequence[int] = FEATURE_DEPTHS, budgets: Sequence[int] = FEATURE_BUDGETS, width: int = 3,
-                 max_new_tokens: int = 128, min_prob: float | None = None, progress: bool = True) -> list[dict[str, Any]]:
-    """Measure every feasible (depth, budget) and model its tokens/s (see the module docstring)."""
+                 max_new_tokens: int = 128, min_prob: float | None = None,
+                 progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Measure every feasible (depth, budget) and model its tokens/s (see the module docstring).
+
+    The standalone pass costs carry a dispatch per call that a pass inside the decoding loop does not,
+    so they are scaled to plain decoding's measured in-loop step (``ar`` on the same prompts)."""
     from tqdm.auto import tqdm
 
     grid = [(d, b) for d in depths for b in budgets if b <= d * width]
     if not grid:
         raise HsdjaxError(f"no feasible setting: every budget exceeds depth x width ({width})")
+    plain = measure_plain(model, prompts, max_new_tokens)
+    scale = plain["round_s"] / costs[1]
     rows = []
     for d, b in tqdm(grid, desc=f"tune {method}", unit="setting", disable=not progress):
         m = measure_feature_setting(model, method, prompts, d, width, b, max_new_tokens, min_prob)
-        verify_s = interpolate(costs, max(1, round(m["mean_nodes"])))
+        verify_s = interpolate(costs, max(1, round(m["mean_nodes"]))) * scale
         rows.append({"width": width, "depth": d, "budget": b, "nodes": m["mean_nodes"], "verify_s": verify_s,
                      "drafter_s": max(m["round_s"] - verify_s, 0.0), **m})
     for d in {r["depth"] for r in rows}:
@@ -159,7 +180,7 @@ def tune_feature(model: Any, method: str, prompts: Sequence[Any], costs: dict[in
             if r["depth"] == d:
                 r["pass_s"] = r["verify_s"] + drafter_s
                 r["tokens_per_s"] = r["tokens_per_pass"] / r["pass_s"]
-    return rows
+    return rows, plain
 
 
 def tune(model_name: str | None, method: str, question_files: Sequence[str], *, limit: int = 4,
@@ -177,10 +198,11 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
     prompts = [q.turns[0] for f in question_files for q in read_questions(f)[:limit]]
     costs = pass_cost(model, nodes=node_counts)
     draft_step = 0.0
+    plain = {"round_s": costs[1], "tokens_per_s": 1 / costs[1]}  # pld / sps: the standalone pass is the unit
     if method in FEATURE_METHODS:
-        candidates = tune_feature(model, method, prompts, costs, depths=depths, budgets=budgets,
-                                  width=max(widths), max_new_tokens=max_new_tokens, min_prob=min_prob,
-                                  progress=progress)
+        candidates, plain = tune_feature(model, method, prompts, costs, depths=depths, budgets=budgets,
+                                         width=max(widths), max_new_tokens=max_new_tokens, min_prob=min_prob,
+                                         progress=progress)
     else:
         if method == "sps":
             name = draft_model or (model.source.spec.draft_model if model.source.spec else None)
@@ -200,7 +222,7 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
     best = max(candidates, key=lambda c: c["tokens_per_s"])
     result = {"model": model.name, "method": method, "backend": jax.default_backend(),
               "pass_cost_s": costs, "draft_step_s": draft_step or None, "candidates": candidates,
-              "best": best, "plain_tokens_per_s": 1 / costs[1]}
+              "best": best, "plain_tokens_per_s": plain["tokens_per_s"], "plain_round_s": plain["round_s"]}
     if write:
         path = tuned_path(model.fingerprint, method)
         keys = {"pld": ("depth", "width"), "sps": ("depth",)}.get(method, ("depth", "width", "budget"))
