@@ -112,3 +112,24 @@ def test_question_selection_per_category_and_colliding_ids(tmp_path):
     assert [q.question_id for q in qs] == [0, 1000]
     qs, notes = select_questions([a], limit=2, per_category=1)
     assert [q.question_id for q in qs] == [0, 1] and notes == []
+
+
+def test_renumbering_does_not_depend_on_the_selection(tmp_path):
+    """Offsets come from whole files, so a resumed run with another --limit keys questions the same way."""
+    a, c = tmp_path / "a.jsonl", tmp_path / "c.jsonl"
+    a.write_text("".join(json.dumps({"question_id": i, "category": "x", "turns": [f"q{i}"]}) + "\n" for i in range(6)))
+    c.write_text("".join(json.dumps({"question_id": i, "category": "y", "turns": [f"r{i}"]}) + "\n" for i in (4, 5)))
+    for limit in (1, 2, None):
+        qs, _ = select_questions([a, c], limit=limit)
+        assert [q.question_id for q in qs if q.category == "y"] == [1004, 1005][:limit]
+
+
+def test_a_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path):
+    from hsdjax.bench import _append_jsonl, _read_jsonl
+
+    path = tmp_path / "raw.jsonl"
+    _append_jsonl(path, {"question_id": 1})
+    with path.open("a") as f:
+        f.write('{"question_id": 2, "tok')  # killed mid-write
+    _append_jsonl(path, {"question_id": 3})
+    assert [r["question_id"] for r in _read_jsonl(path)] == [1, 3]
