@@ -320,7 +320,7 @@ def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, in
     except ImportError:
         return []
     written = []
-    cats = sorted({c for m in summary.values() for c in m["by_category"]})
+    cats = sorted({c for m in summary.values() for c in m["by_category"] if c != "overall"}) + ["overall"]
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(summary)}  # one colour per method everywhere
     fig, ax = plt.subplots(figsize=(min(16, max(6, 0.25 * len(cats) * len(summary))), 4.5))
     width = 0.8 / max(1, len(summary))
@@ -330,7 +330,7 @@ def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, in
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([j + width * (len(summary) - 1) / 2 for j in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speed-up over ar")
-    ax.legend(ncol=2, fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out / "speedup_by_category.png", dpi=110)
     plt.close(fig)
