@@ -429,11 +429,10 @@ def make_runners(model: Any, methods: list[str], options: dict[str, Any], temper
                  notes: list[str]) -> tuple[list[Any], list[Any]]:
     """Local methods and peers (over shared worker processes) that can run here; the rest are noted."""
     from hsdjax.api import Generator
-    from hsdjax.drafters import FEATURE_METHODS
-    from hsdjax.drafters.checkpoint import shipped_path
+    from hsdjax.drafters import FEATURE_METHODS, draft_model_of, has_shipped_drafter
     from hsdjax.peers import PEERS, peer_available, start_peers
 
-    draft = options.get("draft_model") or (model.source.spec.draft_model if model.source.spec else None)
+    draft = draft_model_of(model, options.get("draft_model"))
     runners: list[Any] = []
     peer_names = []
     for m in methods:
@@ -449,7 +448,7 @@ def make_runners(model: Any, methods: list[str], options: dict[str, Any], temper
                 peer_names.append(m)
         elif m == "sps" and not draft:
             notes.append(f"sps skipped: {model.name} has no draft model of its tokenizer")
-        elif m in FEATURE_METHODS and not options.get("drafter") and not shipped_path(model.name, m).exists():
+        elif m in FEATURE_METHODS and not options.get("drafter") and not has_shipped_drafter(model.name, m):
             notes.append(f"{m} skipped: no {m} drafter for {model.name} (train one with `hsdjax train-drafter`)")
         else:
             runners.append(LocalMethod(Generator(model, m, **options_for(m, options))))

@@ -327,11 +327,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def _demo_methods(model_name: str, asked: str) -> list[str]:
     """The speculative methods to show: the one asked for, else prompt lookup (training-free) and the
     headline `hsd` when a drafter ships for the model."""
-    from hsdjax.drafters.checkpoint import shipped_path
+    from hsdjax.drafters import has_shipped_drafter
 
     if asked != "ar":
         return [asked]
-    return ["pld"] + (["hsd"] if shipped_path(model_name, "hsd").is_file() else [])
+    return ["pld"] + (["hsd"] if has_shipped_drafter(model_name, "hsd") else [])
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -146,9 +146,7 @@ def start_peers(names: Sequence[str], model: str, eos: Sequence[int], dtype: str
     workers: dict[str, Worker] = {}
     peers = {}
     for name in names:
-        kind, mode = PEERS[name]
-        if mode == "assisted" and not draft:
-            raise HsdjaxError(f"{name} needs a draft model of the same tokenizer")
+        kind = PEERS[name][0]
         if kind not in workers:
             wants_draft = kind == "hf" and any(PEERS[n] == ("hf", "assisted") for n in names)
             workers[kind] = Worker(kind, model, eos, dtype, threads, draft if wants_draft else None)

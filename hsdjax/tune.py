@@ -118,13 +118,14 @@ FEATURE_DEPTHS = (3, 4, 6)
 FEATURE_BUDGETS = (3, 5, 8, 12)
 
 
-def measure_feature_setting(model: Any, method: str, prompts: Sequence[Any], depth: int, width: int, budget: int,
-                            max_new_tokens: int, min_prob: float | None) -> dict[str, float]:
-    """Decode the prompts with one tree setting; tokens per pass, verified nodes and seconds per round."""
+def measure_decoding(model: Any, method: str, prompts: Sequence[Any], max_new_tokens: int,
+                     **options: Any) -> dict[str, float]:
+    """Decode the prompts with one method and setting (compiled first, outside the timing): tokens per
+    pass, verified nodes per pass, seconds per pass inside the decoding loop, tokens/s."""
     from hsdjax.api import Generator
 
-    gen = Generator(model, method, depth=depth, width=width, budget=budget, min_prob=min_prob)
-    compile_s = gen.generate(prompts[0], max_new_tokens=4)[0].compile_s  # compile outside the timing
+    gen = Generator(model, method, **options)
+    compile_s = gen.generate(prompts[0], max_new_tokens=4)[0].compile_s
     decoded = passes = 0
     nodes = seconds = 0.0
     for p in prompts:
@@ -133,24 +134,10 @@ def measure_feature_setting(model: Any, method: str, prompts: Sequence[Any], dep
         decoded, passes = decoded + len(r.tokens) - 1, passes + n
         nodes += (r.stats["mean_verified_nodes"] or 0) * n  # the tier really run, not just the valid nodes
         seconds += r.decode_s
-    if not passes:
-        raise HsdjaxError("no decoding rounds to measure acceptance on")
+    if not passes or not seconds:
+        raise HsdjaxError("no decoding rounds to measure: give longer --max-new-tokens or other questions")
     return {"tokens_per_pass": decoded / passes, "mean_nodes": nodes / passes, "round_s": seconds / passes,
             "measured_tokens_per_s": decoded / seconds, "compile_s": compile_s}
-
-
-def measure_plain(model: Any, prompts: Sequence[Any], max_new_tokens: int) -> dict[str, float]:
-    """Plain decoding (``ar``) on the same prompts: its seconds per pass inside the decoding loop."""
-    from hsdjax.api import Generator
-
-    gen = Generator(model, "ar")
-    gen.generate(prompts[0], max_new_tokens=4)
-    decoded = passes = 0
-    seconds = 0.0
-    for p in prompts:
-        r = gen.generate(p, max_new_tokens=max_new_tokens)[0]
-        decoded, passes, seconds = decoded + len(r.tokens) - 1, passes + r.stats["target_passes"], seconds + r.decode_s
-    return {"round_s": seconds / max(passes, 1), "tokens_per_s": decoded / seconds if seconds else 0.0}
 
 
 def tune_feature(model: Any, method: str, prompts: Sequence[Any], costs: dict[int, float], *,
@@ -166,11 +153,13 @@ def tune_feature(model: Any, method: str, prompts: Sequence[Any], costs: dict[in
     grid = [(d, b) for d in depths for b in budgets if b <= d * width]
     if not grid:
         raise HsdjaxError(f"no feasible setting: every budget exceeds depth x width ({width})")
-    plain = measure_plain(model, prompts, max_new_tokens)
+    ar = measure_decoding(model, "ar", prompts, max_new_tokens)
+    plain = {"round_s": ar["round_s"], "tokens_per_s": ar["measured_tokens_per_s"]}
     scale = plain["round_s"] / costs[1]
     rows = []
     for d, b in tqdm(grid, desc=f"tune {method}", unit="setting", disable=not progress):
-        m = measure_feature_setting(model, method, prompts, d, width, b, max_new_tokens, min_prob)
+        m = measure_decoding(model, method, prompts, max_new_tokens, depth=d, width=width, budget=b,
+                             min_prob=min_prob)
         verify_s = interpolate(costs, max(1, round(m["mean_nodes"]))) * scale
         rows.append({"width": width, "depth": d, "budget": b, "nodes": m["mean_nodes"], "verify_s": verify_s,
                      "drafter_s": max(m["round_s"] - verify_s, 0.0), **m})
@@ -190,7 +179,7 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
          node_counts: Sequence[int] = NODE_COUNTS, progress: bool = True) -> dict[str, Any]:
     from hsdjax.api import load_model
     from hsdjax.bench import read_questions
-    from hsdjax.drafters import FEATURE_METHODS
+    from hsdjax.drafters import FEATURE_METHODS, draft_model_of
 
     if method not in ("pld", "sps", *FEATURE_METHODS):
         raise HsdjaxError(f"tune supports the tree methods pld, sps, hsd and eagle (got {method!r})")
@@ -205,7 +194,7 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
                                          progress=progress)
     else:
         if method == "sps":
-            name = draft_model or (model.source.spec.draft_model if model.source.spec else None)
+            name = draft_model_of(model, draft_model)
             if not name:
                 raise HsdjaxError(f"{model.name} has no draft model; pass --draft-model")
             draft_step = pass_cost(load_model(name), nodes=(1,))[1]

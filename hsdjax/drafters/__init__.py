@@ -18,6 +18,18 @@ DEFAULTS = {
 FEATURE_METHODS = ("hsd", "eagle")
 
 
+def draft_model_of(model: Any, explicit: str | None = None) -> str | None:
+    """The draft LM for ``sps`` / assisted generation: the one asked for, else the registry's, else None."""
+    return explicit or (model.source.spec.draft_model if model.source.spec else None)
+
+
+def has_shipped_drafter(model_name: str, method: str) -> bool:
+    """Whether a trained ``hsd`` / ``eagle`` drafter ships for this model."""
+    from hsdjax.drafters.checkpoint import shipped_path
+
+    return shipped_path(model_name, method).is_file()
+
+
 def make_drafter(method: str, model: Any, *, draft_model: str | None = None, depth: int | None = None,
                  width: int | None = None, budget: int | None = None, policy: str | None = None,
                  drafter: str | None = None, min_prob: float | None = None) -> tuple[Drafter, Any]:
@@ -49,7 +61,7 @@ def make_drafter(method: str, model: Any, *, draft_model: str | None = None, dep
     from hsdjax.drafters.sps import DraftLMDrafter, check_draft_compatible
 
     opts.pop("width", None)
-    name = draft_model or (model.source.spec.draft_model if model.source.spec else None)
+    name = draft_model_of(model, draft_model)
     if not name:
         raise HsdjaxError(f"sps needs a draft model of {model.name}'s tokenizer; pass --draft-model NAME "
                           "(e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
@@ -65,7 +77,7 @@ def _feature_drafter(method: str, model: Any, opts: dict[str, Any], path: str | 
 
     if path is None:
         shipped = shipped_path(model.name, method)
-        if not shipped.is_file():
+        if not has_shipped_drafter(model.name, method):
             raise HsdjaxError(f"no shipped {method} drafter for {model.name}; train one with "
                               f"`hsdjax train-drafter CONFIG` and pass --drafter PATH")
         path = str(shipped)
