@@ -33,12 +33,17 @@ class ModelConfig:
     # Run layers under lax.scan (compile time independent of depth) or unrolled (separate per-layer
     # weights: faster decoding on XLA's CPU backend, which copies scanned weight slices).
     scan_layers: bool = True
+    # Attention implementation: "auto" (Pallas kernel on GPU/TPU, jnp reference on CPU), "reference"
+    # or "pallas" (see hsdjax.kernels.tree_attention.attention_fn).
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
             raise HsdjaxError(
                 f"unsupported model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
             )
+        if self.attention not in ("auto", "reference", "pallas"):
+            raise HsdjaxError(f"attention must be auto, reference or pallas (got {self.attention!r})")
         if self.num_heads % self.num_kv_heads:
             raise HsdjaxError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -25,7 +25,7 @@ from jaxtyping import Array, Bool, Int, UInt
 
 from hsdjax.config import ModelConfig
 from hsdjax.errors import HsdjaxError
-from hsdjax.model import KVCache, Transformer, causal_mask, commit, init_cache
+from hsdjax.model import KVCache, Transformer, causal_mask, commit, gather_path, init_cache, write_path
 from hsdjax.sampling import SamplingParams, select_tokens
 from hsdjax.tree import DraftTree, ancestor_mask, compact
 from hsdjax.tree import positions as tree_positions
@@ -129,7 +129,7 @@ def prefill(
     model = Transformer(cfg)
     b, p = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    fwd = model.apply({"params": params}, prompt, positions, causal_mask(prompt_len, p))
+    fwd = model.apply({"params": params}, prompt, positions, causal_mask(prompt_len, p), keep_layers=keep_layers)
     cache = commit(init_cache(cfg, b, cache_size), fwd["k"], fwd["v"], positions, prompt_len)
     last = (prompt_len - 1)[:, None]
     hidden_last = jnp.take_along_axis(fwd["hidden"], last[:, :, None], axis=1)[:, 0]
@@ -143,7 +143,7 @@ def prefill(
     # Only what drafters use leaves the program (the per-layer states of a long prompt are large).
     out = {"hidden": fwd["hidden"]}
     if keep_layers:
-        out["layers"] = jnp.stack([fwd["layers"][i] for i in keep_layers])
+        out["layers"] = fwd["layers"]
     return state, out
 
 
@@ -198,25 +198,49 @@ def append_tokens(gen: GenState, cache: KVCache, tokens: Int[Array, "B P"], coun
     return gen.replace(done=gen.done | (active & ended)), n
 
 
-def verify_round(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: GenState, tree: DraftTree
-                 ) -> tuple[KVCache, Verdict, Int[Array, "B P"], dict[str, Array]]:
-    """One target pass over the tree: verify, commit the accepted path to the cache.
+@struct.dataclass
+class PassResult:
+    """What leaves one verification pass: the verdict, the round's new tokens, the keys/values of the
+    accepted path (to commit) and the target's states along it for the drafter."""
 
-    Returns the new cache, the verdict, the round's new tokens (``verdict.n_path`` valid per row) and
-    the target's outputs along the accepted path (``hidden`` [B, P, E], ``layers`` [L+1, B, P, E]).
-    """
+    verdict: Verdict
+    emitted: Int[Array, "B P"]  # the round's new tokens, ``verdict.n_path`` valid per row
+    path_k: Any  # [L, B, P, K, D] keys of the accepted path's nodes
+    path_v: Any
+    path_states: dict[str, Array]  # ``hidden`` [B, P, E]; ``layers`` [F, B, P, E] (the drafter's layers)
+
+
+def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: GenState, tree: DraftTree
+                ) -> PassResult:
+    """One target pass over the tree and its verdict. The cache is only read here; the accepted path
+    is committed by the caller, so a tier switch around this function never copies the cache."""
     model = Transformer(cfg)
     mask = ancestor_mask(tree, drafter.max_depth)
-    fwd = model.apply({"params": params}, tree.tokens, tree_positions(tree, gen.cache.length), mask, gen.cache)
+    fwd = model.apply({"params": params}, tree.tokens, tree_positions(tree, gen.cache.length), mask, gen.cache,
+                      keep_layers=drafter.prompt_layers)
     logits = model.apply({"params": params}, fwd["hidden"], method=Transformer.logits)
     verify = verify_chain_sampled if drafter.sampled_chain else verify_tree
     verdict = verify(logits, tree, gen.sampling, step_keys(gen.keys, gen.seq_len), drafter.max_depth)
-    cache = commit(gen.cache, fwd["k"], fwd["v"], verdict.path, jnp.where(gen.done, 0, verdict.n_path))
-    path_states = {
-        "hidden": jnp.take_along_axis(fwd["hidden"], verdict.path[:, :, None], axis=1),
-        "layers": jax.vmap(lambda x: jnp.take_along_axis(x, verdict.path[:, :, None], axis=1))(fwd["layers"]),
-    }
-    return cache, verdict, verdict.emitted(tree), path_states
+    along = lambda x: jnp.take_along_axis(x, verdict.path.reshape(*verdict.path.shape, *([1] * (x.ndim - 2))),  # noqa: E731
+                                          axis=1)
+    path_k, path_v = gather_path(fwd["k"], fwd["v"], verdict.path)
+    states = {"hidden": along(fwd["hidden"])}
+    if drafter.prompt_layers:
+        states["layers"] = jax.vmap(along)(fwd["layers"])
+    return PassResult(verdict=verdict, emitted=verdict.emitted(tree), path_k=path_k, path_v=path_v,
+                      path_states=states)
+
+
+def verify_sizes(drafter: Any) -> tuple[int, ...]:
+    """The static pass sizes a drafter's trees are verified at: its tiers up to the most valid nodes
+    its trees can hold (a tier no tree can need is never compiled)."""
+    top = min(drafter.max_valid_nodes, drafter.num_nodes)
+    return tuple(sorted({t for t in drafter.tiers if t < top} | {top}))
+
+
+def fit_tree(tree: DraftTree, size: int) -> DraftTree:
+    """The tree in ``size`` slots (compacted when it has more)."""
+    return tree if tree.num_nodes == size else compact(tree, size)
 
 
 def _log_round(log: Int[Array, "B R"], index: Int[Array, " B"], value: Int[Array, " B"],
@@ -232,20 +256,25 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
     cache to the accepted path, append the new tokens, let the drafter observe the result.
 
     Drafters with ``tiers`` (tree sizes, e.g. (1, 7, 13)) are verified at the smallest tier that
-    holds every row's valid nodes, so a round with few or no drafts costs a small target pass.
+    holds every row's valid nodes, so a round with few or no drafts costs a small target pass. Only
+    reachable sizes are compiled (see ``verify_sizes``); with one, there is no switch at all, and the
+    switch never carries the KV cache (the path is committed after it).
     """
     gen = state.gen
     tree, draft, cost = drafter.propose(dparams, state.draft, gen)
-    tiers = tuple(t for t in drafter.tiers if t < tree.num_nodes) + (tree.num_nodes,)
-    if len(tiers) == 1:
-        cache, verdict, emitted, path_states = verify_round(params, cfg, drafter, gen, tree)
-        pass_size = jnp.int32(tree.num_nodes)
+    sizes = verify_sizes(drafter)
+    if len(sizes) == 1:
+        out = verify_pass(params, cfg, drafter, gen, fit_tree(tree, sizes[0]))
+        pass_size = jnp.int32(sizes[0])
     else:
         needed = jnp.max(jnp.where(gen.done, 1, jnp.sum(tree.valid, axis=1)))  # finished rows don't count
-        branches = [partial(lambda k, t: verify_round(params, cfg, drafter, gen, compact(t, k)), k) for k in tiers]
-        tier = jnp.searchsorted(jnp.array(tiers), needed)
-        cache, verdict, emitted, path_states = jax.lax.switch(tier, branches, tree)
-        pass_size = jnp.array(tiers, jnp.int32)[tier]
+        branches = [partial(lambda k, t: verify_pass(params, cfg, drafter, gen, fit_tree(t, k)), k) for k in sizes]
+        tier = jnp.searchsorted(jnp.array(sizes), needed)
+        out = jax.lax.switch(tier, branches, tree)
+        pass_size = jnp.array(sizes, jnp.int32)[tier]
+    verdict = out.verdict
+    cache = write_path(gen.cache, out.path_k, out.path_v, jnp.where(gen.done, 0, verdict.n_path))
+    emitted, path_states = out.emitted, out.path_states
     active = ~gen.done
     new_gen, n_emitted = append_tokens(gen, cache, emitted, verdict.n_path, drafter.spare)
     draft = drafter.observe(dparams, draft, gen, new_gen, verdict, path_states)

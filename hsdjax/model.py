@@ -20,9 +20,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.config import ModelConfig
-from hsdjax.kernels.tree_attention import attention_backend, tree_attention
-
-NEG_INF = -1e30
+from hsdjax.kernels.tree_attention import NEG_INF, attention_fn  # noqa: F401  (NEG_INF re-exported)
 
 
 @struct.dataclass
@@ -55,21 +53,21 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, dtype: Any = None) -> KV
     return KVCache(k=k, v=v, length=jnp.zeros((batch,), jnp.int32))
 
 
-def commit(
-    cache: KVCache,
-    new_k: Float[Array, "L B T K D"],
-    new_v: Float[Array, "L B T K D"],
-    keep: Int[Array, "B A"],
-    n_keep: Int[Array, " B"],
-) -> KVCache:
-    """Append the new entries ``keep[b, :n_keep[b]]`` of each row after its prefix.
-
-    All A gathered entries are written (slots beyond ``n_keep`` hold garbage that the advanced
-    ``length`` masks out and the next commit overwrites), so the cache needs A spare slots.
-    """
+def gather_path(new_k: Float[Array, "L B T K D"], new_v: Float[Array, "L B T K D"], keep: Int[Array, "B A"]
+                ) -> tuple[Float[Array, "L B A K D"], Float[Array, "L B A K D"]]:
+    """The new entries ``keep[b, :]`` of each row (e.g. a tree's accepted path), in order."""
     take = jax.vmap(lambda x, idx: x[:, idx], in_axes=(1, 0), out_axes=1)  # [L, B, A, K, D]
-    k_sel = take(new_k, keep).transpose(0, 1, 3, 2, 4)  # [L, B, K, A, D]
-    v_sel = take(new_v, keep).transpose(0, 1, 3, 2, 4)
+    return take(new_k, keep), take(new_v, keep)
+
+
+def write_path(cache: KVCache, k_sel: Float[Array, "L B A K D"], v_sel: Float[Array, "L B A K D"],
+               n_keep: Int[Array, " B"]) -> KVCache:
+    """Write A entries per row right after the row's prefix; the first ``n_keep[b]`` become valid.
+
+    All A entries are written (slots beyond ``n_keep`` hold garbage that the advanced ``length``
+    masks out and the next write overwrites), so the cache needs A spare slots.
+    """
+    k_sel, v_sel = k_sel.transpose(0, 1, 3, 2, 4), v_sel.transpose(0, 1, 3, 2, 4)  # [L, B, K, A, D]
 
     def write(buf, upd, start):  # one row: buf [..., K, S, D], upd [..., K, A, D]
         return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (0,) * (buf.ndim - 2) + (start, 0))
@@ -82,6 +80,17 @@ def commit(
         write_rows = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)
         k, v = write_rows(cache.k, k_sel, cache.length), write_rows(cache.v, v_sel, cache.length)
     return KVCache(k=k, v=v, length=cache.length + n_keep.astype(jnp.int32))
+
+
+def commit(
+    cache: KVCache,
+    new_k: Float[Array, "L B T K D"],
+    new_v: Float[Array, "L B T K D"],
+    keep: Int[Array, "B A"],
+    n_keep: Int[Array, " B"],
+) -> KVCache:
+    """Append the new entries ``keep[b, :n_keep[b]]`` of each row after its prefix."""
+    return write_path(cache, *gather_path(new_k, new_v, keep), n_keep)
 
 
 def rms_norm(x: Float[Array, "... E"], scale: Float[Array, " E"], eps: float) -> Float[Array, "... E"]:
@@ -101,45 +110,6 @@ def apply_rope(x: Float[Array, "B T N D"], cos: Array, sin: Array) -> Float[Arra
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-
-def attention(
-    q: Float[Array, "B T H D"],
-    cache_k: Float[Array, "B K S D"] | None,
-    cache_v: Float[Array, "B K S D"] | None,
-    cache_valid: Bool[Array, "B S"] | None,
-    new_k: Float[Array, "B T K D"],
-    new_v: Float[Array, "B T K D"],
-    new_mask: Bool[Array, "B T T"],
-) -> Float[Array, "B T H D"]:
-    """Masked GQA attention of new queries over (cached prefix, new tokens); the jnp path.
-
-    One softmax spans both parts. Every query must be allowed to see at least itself. On GPU/TPU the
-    Pallas kernel ``hsdjax.kernels.tree_attention`` computes the same thing (tested against this).
-    """
-    b, t, h, d = q.shape
-    kh = new_k.shape[2]
-    g = h // kh
-    qg = (q * (d ** -0.5)).reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-    kn = new_k.transpose(0, 2, 1, 3)  # [B, K, T, D]
-    vn = new_v.transpose(0, 2, 1, 3)
-    s_new = jnp.einsum("bkgtd,bkud->bkgtu", qg, kn, preferred_element_type=jnp.float32)
-    s_new = jnp.where(new_mask[:, None, None], s_new, NEG_INF)
-    m = jnp.max(s_new, axis=-1, keepdims=True)
-    if cache_k is not None:
-        s_cache = jnp.einsum("bkgtd,bksd->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
-        s_cache = jnp.where(cache_valid[:, None, None, None], s_cache, NEG_INF)
-        m = jnp.maximum(m, jnp.max(s_cache, axis=-1, keepdims=True))
-    p_new = jnp.exp(s_new - m)
-    denom = jnp.sum(p_new, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgtu,bkud->bkgtd", p_new.astype(vn.dtype), vn, preferred_element_type=jnp.float32)
-    if cache_k is not None:
-        p_cache = jnp.exp(s_cache - m)
-        denom = denom + jnp.sum(p_cache, axis=-1, keepdims=True)
-        out = out + jnp.einsum("bkgts,bksd->bkgtd", p_cache.astype(cache_v.dtype), cache_v,
-                               preferred_element_type=jnp.float32)
-    out = out / denom
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 def _dense_init(scale: float = 0.02):
@@ -171,11 +141,7 @@ class Block(nn.Module):
         q = apply_rope(q.reshape(b, t, cfg.num_heads, d), cos, sin)
         k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), cos, sin)
         v = v.reshape(b, t, cfg.num_kv_heads, d)
-        if cache_k is not None and attention_backend() == "pallas":
-            attn = tree_attention(q, cache_k, cache_v, cache_len, k, v, new_mask)
-        else:
-            valid = None if cache_k is None else jnp.arange(cache_k.shape[2])[None, :] < cache_len[:, None]
-            attn = attention(q, cache_k, cache_v, valid, k, v, new_mask)
+        attn = attention_fn(cfg.attention)(q, cache_k, cache_v, cache_len, k, v, new_mask)
         x = x + attn.reshape(b, t, hq) @ p("wo", (hq, e))
 
         h = rms_norm(x, p("mlp_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
@@ -212,12 +178,14 @@ class Transformer(nn.Module):
         positions: Int[Array, "B T"],
         new_mask: Bool[Array, "B T T"],
         cache: KVCache | None = None,
+        keep_layers: tuple[int, ...] | None = None,
     ) -> dict[str, Array]:
         """Run T new tokens per row over the cached prefix (none when ``cache`` is None).
 
         Returns ``hidden`` [B, T, E] (final-normed, what the LM head reads), ``k``/``v``
-        [L, B, T, K, D] for ``commit``, and ``layers`` [L+1, B, T, E]: the input of every layer
-        followed by the last layer's (un-normed) output, for drafters.
+        [L, B, T, K, D] for ``commit``, and ``layers`` [F, B, T, E]: the states ``keep_layers`` names,
+        where state i < L is the input of layer i and state L the last layer's (un-normed) output (all
+        L+1 when ``keep_layers`` is None; none when it is empty), for drafters.
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
@@ -236,13 +204,14 @@ class Transformer(nn.Module):
                 layer_v = None if cache is None else cache_v[i]
                 out, kv = block(out, layer_k, layer_v, cos, sin, cache_len, new_mask)
                 per_layer.append(kv)
-            k, v, layer_inputs = (jnp.stack(parts) for parts in zip(*per_layer))
-        return {
-            "hidden": rms_norm(out, self.final_norm.astype(dt), cfg.rms_norm_eps),
-            "k": k,
-            "v": v,
-            "layers": jnp.concatenate([layer_inputs, out[None]], axis=0),
-        }
+            ks, vs, layer_inputs = zip(*per_layer)  # layer inputs stay separate: only kept ones are stacked
+            k, v = jnp.stack(ks), jnp.stack(vs)
+        result = {"hidden": rms_norm(out, self.final_norm.astype(dt), cfg.rms_norm_eps), "k": k, "v": v}
+        if keep_layers is None:
+            result["layers"] = jnp.concatenate([jnp.stack(list(layer_inputs)), out[None]], axis=0)
+        elif keep_layers:
+            result["layers"] = jnp.stack([out if i == cfg.num_layers else layer_inputs[i] for i in keep_layers])
+        return result
 
     def logits(self, hidden: Float[Array, "... E"]) -> Float[Array, "... V"]:
         """LM head (the tied embedding matrix or the separate head); float32 logits."""

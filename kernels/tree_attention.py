@@ -12,8 +12,8 @@ D head dim):
 q              [B, T, H, D]     RoPE'd queries, not yet scaled (scaled by D**-0.5 here)
 cache_k/v      [B, K, S, D]     the KV cache
 cache_len      [B] int32        slots >= cache_len are invalid (clipped to [0, S])
-new_k/new_v    [B, T, K, D]     the new tokens' own keys / values
-tree_mask      [B, T, T] bool   query t may attend new token u; must include the diagonal
+new_k/new_v    [B, U, K, D]     the new tokens' own keys / values (U = T for a tree)
+tree_mask      [B, T, U] bool   query t may attend new token u; each query must see at least one
 out            [B, T, H, D]     dtype of q; float32 accumulation
 =============  ===============  ==========================================================
 
@@ -67,12 +67,14 @@ from jax.experimental.pallas import triton as pltriton
 __all__ = [
     "NEG_INF",
     "attention_backend",
+    "attention_fn",
     "tree_attention",
     "tree_attention_auto",
     "tree_attention_reference",
 ]
 
-NEG_INF = -1e30  # same finite "minus infinity" as hsdjax.model: masked scores never produce NaN
+NEG_INF = -1e30  # the one finite "minus infinity" of attention masks: masked scores never produce NaN
+REFERENCE_BLOCK_S = 256  # cache slots per block of the jnp reference (the CPU path)
 
 _VARIANTS = ("auto", "loop", "grid")
 
@@ -82,31 +84,61 @@ _VARIANTS = ("auto", "loop", "grid")
 # ----------------------------------------------------------------------------------------------
 
 def tree_attention_reference(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, *,
-                             interpret: bool = False, block_s: int = 128, block_m: int = 64,
+                             interpret: bool = False, block_s: int = REFERENCE_BLOCK_S, block_m: int = 64,
                              variant: str = "auto"):
-    """Pure-jnp tree attention (same signature as :func:`tree_attention`; the keyword-only
-    kernel options are accepted and ignored)."""
-    del interpret, block_s, block_m, variant
+    """Pure-jnp tree attention (same signature as :func:`tree_attention`; ``interpret``, ``block_m``
+    and ``variant`` are accepted and ignored). The CPU path of the model and the drafters.
+
+    Like the kernels, it walks the cache in blocks of ``block_s`` slots with an online softmax and
+    stops after the block holding the longest row's last valid slot, so its cost follows the filled
+    length, not the cache bucket. ``cache_k`` None means no cache (a prompt's own causal pass).
+    """
+    del interpret, block_m, variant
     b, t, h, d = q.shape
-    kh, s = cache_k.shape[1], cache_k.shape[2]
+    kh = new_k.shape[2]
     g = h // kh
-    cache_valid = jnp.arange(s, dtype=jnp.int32)[None, :] < cache_len.astype(jnp.int32)[:, None]
     qg = (q * (d ** -0.5)).reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-    kn = new_k.transpose(0, 2, 1, 3)  # [B, K, T, D]
-    vn = new_v.transpose(0, 2, 1, 3)
-    s_new = jnp.einsum("bkgtd,bkud->bkgtu", qg, kn, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("bkgtd,bukd->bkgtu", qg, new_k, preferred_element_type=jnp.float32)
     s_new = jnp.where(tree_mask[:, None, None], s_new, NEG_INF)
-    s_cache = jnp.einsum("bkgtd,bksd->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
-    s_cache = jnp.where(cache_valid[:, None, None, None], s_cache, NEG_INF)
-    m = jnp.maximum(jnp.max(s_new, axis=-1, keepdims=True), jnp.max(s_cache, axis=-1, keepdims=True))
+    m = jnp.max(s_new, axis=-1, keepdims=True)
     p_new = jnp.exp(s_new - m)
-    p_cache = jnp.exp(s_cache - m)
-    denom = jnp.sum(p_new, axis=-1, keepdims=True) + jnp.sum(p_cache, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgtu,bkud->bkgtd", p_new.astype(vn.dtype), vn, preferred_element_type=jnp.float32)
-    out = out + jnp.einsum("bkgts,bksd->bkgtd", p_cache.astype(cache_v.dtype), cache_v,
-                           preferred_element_type=jnp.float32)
-    out = out / denom
+    l = jnp.sum(p_new, axis=-1, keepdims=True)
+    acc = jnp.einsum("bkgtu,bukd->bkgtd", p_new.astype(new_v.dtype), new_v, preferred_element_type=jnp.float32)
+    if cache_k is not None and cache_k.shape[2] > 0:
+        m, l, acc = _reference_cache_part(qg, cache_k, cache_v, cache_len.astype(jnp.int32), m, l, acc, block_s)
+    out = acc / l
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+
+
+def _reference_block(qg, k, v, start, lens, m, l, acc):
+    """Fold cache slots start .. start + len(k) into the online softmax state (m, l, acc)."""
+    s = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    slot = start + jnp.arange(k.shape[2], dtype=jnp.int32)
+    s = jnp.where((slot[None, :] < lens[:, None])[:, None, None, None], s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+    acc = alpha * acc + jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+def _reference_cache_part(qg, cache_k, cache_v, lens, m, l, acc, block_s):
+    """The cache's share of the softmax: one block when the cache is small, else a loop over the
+    blocks up to the longest row (a traced trip count: no work past the filled length)."""
+    b, kh, s, d = cache_k.shape
+    bs = block_s if (s > block_s and s % block_s == 0) else s
+    if bs == s:
+        return _reference_block(qg, cache_k, cache_v, 0, lens, m, l, acc)
+
+    def body(i, carry):
+        start = i * bs
+        k = lax.dynamic_slice(cache_k, (0, 0, start, 0), (b, kh, bs, d))
+        v = lax.dynamic_slice(cache_v, (0, 0, start, 0), (b, kh, bs, d))
+        return _reference_block(qg, k, v, start, lens, *carry)
+
+    n = jnp.minimum((jnp.max(jnp.clip(lens, 0, s)) + bs - 1) // bs, s // bs)
+    return lax.fori_loop(0, n, body, (m, l, acc))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,10 +218,11 @@ def _check_inputs(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, block
         raise ValueError(f"cache shapes {cache_k.shape}/{cache_v.shape} do not match q {q.shape}")
     if h % kh:
         raise ValueError(f"{h} query heads are not a multiple of {kh} kv heads")
-    if new_k.shape != (b, t, kh, d) or new_v.shape != new_k.shape:
-        raise ValueError(f"new_k/new_v must be {(b, t, kh, d)}, got {new_k.shape}/{new_v.shape}")
-    if tree_mask.shape != (b, t, t):
-        raise ValueError(f"tree_mask must be {(b, t, t)}, got {tree_mask.shape}")
+    u = new_k.shape[1]
+    if new_k.shape != (b, u, kh, d) or new_v.shape != new_k.shape:
+        raise ValueError(f"new_k/new_v must be {(b, u, kh, d)}, got {new_k.shape}/{new_v.shape}")
+    if tree_mask.shape != (b, t, u):
+        raise ValueError(f"tree_mask must be {(b, t, u)}, got {tree_mask.shape}")
     if cache_len.shape != (b,):
         raise ValueError(f"cache_len must be [{b}], got {cache_len.shape}")
     if block_s < 16 or block_s & (block_s - 1):
@@ -212,7 +245,8 @@ def _layout(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, *, m_pad, u
     qm = _pad_axis(_pad_axis(qm, 2, m_pad), 3, d_pad)
     nk = _pad_axis(_pad_axis(new_k.transpose(0, 2, 1, 3), 2, u_pad), 3, d_pad)
     nv = _pad_axis(_pad_axis(new_v.transpose(0, 2, 1, 3), 2, u_pad), 3, d_pad)
-    mask = jnp.broadcast_to(tree_mask[:, None], (b, g, t, t)).reshape(b, g * t, t).astype(jnp.int32)
+    u = tree_mask.shape[2]
+    mask = jnp.broadcast_to(tree_mask[:, None], (b, g, t, u)).reshape(b, g * t, u).astype(jnp.int32)
     mask = _pad_axis(_pad_axis(mask, 1, m_pad), 2, u_pad)  # padded rows/columns: fully masked
     ck = _pad_axis(_pad_axis(cache_k, 2, s_pad), 3, d_pad)
     cv = _pad_axis(_pad_axis(cache_v, 2, s_pad), 3, d_pad)
@@ -254,7 +288,7 @@ def _tree_attention_loop(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask
     g = h // kh
     m_pad = max(16, _next_pow2(g * t))
     bm = min(m_pad, max(16, _next_pow2(block_m)))
-    u_pad = max(16, _next_pow2(t))
+    u_pad = max(16, _next_pow2(new_k.shape[1]))
     d_pad = d if (d >= 16 and d & (d - 1) == 0) else max(16, _next_pow2(d))
     bs, s_pad = _cache_blocking(s, block_s)
     qm, ck, cv, lens, nk, nv, mask = _layout(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask,
@@ -320,7 +354,7 @@ def _tree_attention_grid(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask
     kh, s = cache_k.shape[1], cache_k.shape[2]
     g = h // kh
     m_pad = _round_up(g * t, 8 * max(1, 4 // jnp.dtype(q.dtype).itemsize))  # 8 / 16 (bf16) sublanes
-    u_pad = _round_up(t, 128)
+    u_pad = _round_up(new_k.shape[1], 128)
     bs, s_pad = _cache_blocking(s, block_s)
     qm, ck, cv, lens, nk, nv, mask = _layout(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask,
                                              m_pad=m_pad, u_pad=u_pad, d_pad=d, s_pad=s_pad)
@@ -371,7 +405,7 @@ def tree_attention(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, *,
     Args:
       q: [B, T, H, D] queries (RoPE'd, unscaled). cache_k, cache_v: [B, K, S, D].
       cache_len: [B] int32 valid cache slots per row. new_k, new_v: [B, T, K, D].
-      tree_mask: [B, T, T] bool, must include the diagonal.
+      tree_mask: [B, T, U] bool (U new keys, T for a tree); every query must see at least one.
       interpret: run the Pallas kernel in interpret mode (CPU testing).
       block_s: cache slots per block (power of two >= 16; S is padded to a multiple, which only
         copies the cache when S is not already one).
@@ -394,9 +428,27 @@ def tree_attention(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, *,
     return lax.platform_dependent(*args, tpu=grid, default=loop)
 
 
-def attention_backend() -> str:
-    """"pallas" when the default JAX backend is a GPU or TPU, else "reference"."""
+def attention_backend(setting: str = "auto") -> str:
+    """The implementation a backend setting means here: "auto" is "pallas" when the default JAX
+    backend is a GPU or TPU, else "reference"; "reference" and "pallas" are taken as they are."""
+    if setting not in ("auto", "reference", "pallas"):
+        raise ValueError(f"attention backend must be auto, reference or pallas, got {setting!r}")
+    if setting != "auto":
+        return setting
     return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "reference"
+
+
+def attention_fn(setting: str = "auto"):
+    """The attention function for a backend setting (see :func:`attention_backend`). Attention
+    without a cache (a prompt's own pass) always uses the reference."""
+    if attention_backend(setting) == "reference":
+        return tree_attention_reference
+
+    def pallas_or_reference(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask):
+        fn = tree_attention_reference if cache_k is None else tree_attention
+        return fn(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask)
+
+    return pallas_or_reference
 
 
 def tree_attention_auto(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, *,

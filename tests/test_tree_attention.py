@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from hsdjax.kernels.tree_attention import (
     attention_backend,
+    attention_fn,
     tree_attention,
     tree_attention_auto,
     tree_attention_reference,
 )
-from hsdjax.model import attention as model_attention
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -99,13 +99,55 @@ def test_reference_matches_naive_numpy():
     np.testing.assert_allclose(np.asarray(ref), naive_numpy(*args), atol=1e-5, rtol=1e-5)
 
 
-def test_reference_matches_model_attention():
-    """Drop-in for hsdjax.model.attention with cache_valid = arange(S) < cache_len."""
-    q, ck, cv, lens, nk, nv, mask = make_inputs(1, b=3, t=5, k=2, g=3, s=32, d=8)
-    valid = jnp.arange(ck.shape[2])[None, :] < lens[:, None]
-    np.testing.assert_allclose(np.asarray(tree_attention_reference(q, ck, cv, lens, nk, nv, mask)),
-                               np.asarray(model_attention(q, ck, cv, valid, nk, nv, mask)),
-                               atol=1e-6, rtol=1e-6)
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), s_log=st.integers(4, 9), block_log=st.integers(4, 6), b=st.integers(1, 3),
+       t=st.sampled_from([1, 3, 8]), data=st.data())
+def test_blocked_reference_over_random_lengths_and_buckets(seed, s_log, block_log, b, t, data):
+    """The blocked online softmax (a loop up to the longest row) equals one pass over the whole bucket
+    and a float64 loop, for any lengths, bucket sizes and block sizes (also blocks >= the bucket)."""
+    s = 2 ** s_log
+    lens = [data.draw(st.integers(0, s)) for _ in range(b)]
+    args = make_inputs(seed, b=b, t=t, k=2, g=2, s=s, d=8, lens=lens)
+    blocked = tree_attention_reference(*args, block_s=2 ** block_log)
+    whole = tree_attention_reference(*args, block_s=s)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(blocked), naive_numpy(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_blocked_reference_skips_blocks_past_the_longest_row():
+    """Blocks past the longest row are never read: NaN/inf there cannot leak into the output."""
+    q, ck, cv, lens, nk, nv, mask = make_inputs(3, b=2, t=4, k=2, g=3, s=256, d=8, lens=[40, 70])
+    poisoned_k = ck.at[:, :, 96:].set(jnp.nan)  # blocks of 32: [64, 96) holds row 1's last slots
+    poisoned_v = cv.at[:, :, 96:].set(jnp.inf)
+    out = jax.jit(lambda *a: tree_attention_reference(*a, block_s=32))(q, poisoned_k, poisoned_v, lens, nk, nv, mask)
+    np.testing.assert_allclose(np.asarray(out), naive_numpy(q, ck, cv, lens, nk, nv, mask), atol=1e-5, rtol=1e-5)
+
+
+def rectangular_inputs(seed, *, b=2, t=3, u=7, k=2, g=2, s=64, d=16):
+    """T queries over U new keys (drafter attention: chain or tree-local keys), each query sees >= 1."""
+    q, ck, cv, lens, _, _, _ = make_inputs(seed, b=b, t=t, k=k, g=g, s=s, d=d)
+    rng = np.random.default_rng(seed)
+    nk = jnp.asarray(rng.standard_normal((b, u, k, d), dtype=np.float32))
+    nv = jnp.asarray(rng.standard_normal((b, u, k, d), dtype=np.float32))
+    mask = rng.random((b, t, u)) < 0.4
+    mask[:, np.arange(t), np.arange(t) % u] = True
+    return q, ck, cv, lens, nk, nv, jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("variant", ["loop", "grid"])
+def test_rectangular_new_keys(variant):
+    args = rectangular_inputs(4)
+    np.testing.assert_allclose(np.asarray(tree_attention_reference(*args, block_s=16)), naive_numpy(*args),
+                               atol=1e-5, rtol=1e-5)
+    assert_close(tree_attention(*args, interpret=True, block_s=16, variant=variant),
+                 tree_attention_reference(*args), jnp.float32)
+
+
+def test_attention_fn_settings():
+    assert attention_fn("reference") is tree_attention_reference
+    assert attention_backend("pallas") == "pallas" and attention_backend("reference") == "reference"
+    with pytest.raises(ValueError, match="auto, reference or pallas"):
+        attention_fn("fast")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,8 +64,14 @@ class Drafter(abc.ABC):
 
     @property
     def prompt_layers(self) -> tuple[int, ...]:
-        """Target layers (indices into the forward's ``layers``) whose prompt states ``init_state`` reads."""
+        """Target states (indices into the forward's L+1 ``layers``) that ``init_state`` reads for the
+        prompt and ``observe`` for the accepted path (both get them stacked in this order)."""
         return ()
+
+    @property
+    def max_valid_nodes(self) -> int:
+        """The most valid nodes a proposed tree can hold, root included (the largest pass needed)."""
+        return self.num_nodes
 
     def init_state(self, dparams: Any, gen: Any, prompt_fwd: dict[str, Array]) -> Any:
         return ()
@@ -77,7 +83,8 @@ class Drafter(abc.ABC):
     def observe(self, dparams: Any, state: Any, gen_before: Any, gen_after: Any, verdict: Any,
                 path_states: dict[str, Array]) -> Any:
         """Update after verification. ``path_states`` holds the target's outputs at the accepted
-        path's nodes (root first): ``hidden`` [B, P, E] (final-normed) and ``layers`` [L+1, B, P, E]."""
+        path's nodes (root first): ``hidden`` [B, P, E] (final-normed) and, for drafters with
+        ``prompt_layers``, ``layers`` [F, B, P, E] (those states, in that order)."""
         return state
 
 

@@ -46,7 +46,8 @@ class EagleDrafter(FeatureDrafter):
         # its last (padding) slot, so one pad column keeps the shapes equal
         next_tokens = jnp.pad(gen.seq, ((0, 0), (0, 1)))[:, 1: p_len + 1]
         x = self._inputs(dparams, states, next_tokens)
-        ctx, last = ingest(self._net(), dparams["net"], init_context(self.cfg, b, s), x, gen.prompt_len)
+        ctx, last = ingest(self._net(), dparams["net"], init_context(self.cfg, b, s), x, gen.prompt_len,
+                           self.attention)
         return EagleState(ctx=ctx, root_out=last)
 
     def propose(self, dparams, state: EagleState, gen):
@@ -76,7 +77,7 @@ class EagleDrafter(FeatureDrafter):
             lk, lv = lk.at[:, lo: lo + k].set(kk), lv.at[:, lo: lo + k].set(vv)
             own = jnp.zeros((b, k, m), bool).at[:, jnp.arange(k), lo + jnp.arange(k)].set(True)
             mask = parent_anc | own
-            out = attend_and_finish(net, p, state.ctx, x, q, lk, lv, mask)
+            out = attend_and_finish(net, p, state.ctx, x, q, lk, lv, mask, self.attention)
             return logp_of(out), (out, lk, lv, mask)
 
         carry = (state.root_out[:, None, :], *local, jnp.zeros((b, 1, m), bool))
@@ -89,10 +90,11 @@ class EagleDrafter(FeatureDrafter):
     def observe(self, dparams, state: EagleState, gen_before, gen_after, verdict, path_states):
         active = ~gen_before.done
         count = jnp.where(active, verdict.n_path, 0)
-        fused = jnp.stack([path_states["layers"][i] for i in self.layers], axis=2)  # [B, P, F, E]
+        fused = jnp.moveaxis(path_states["layers"], 0, 2)  # [B, P, F, E]
         t = fused.shape[1]
         idx = jnp.clip(gen_before.seq_len[:, None] + jnp.arange(t)[None, :], 0, gen_after.seq.shape[1] - 1)
         next_tokens = jnp.take_along_axis(gen_after.seq, idx, axis=1)  # the token after each path node
-        ctx, last = ingest(self._net(), dparams["net"], state.ctx, self._inputs(dparams, fused, next_tokens), count)
+        ctx, last = ingest(self._net(), dparams["net"], state.ctx, self._inputs(dparams, fused, next_tokens), count,
+                           self.attention)
         # finished rows ingest nothing (count 0), so their context is unchanged without a copy
         return EagleState(ctx=ctx, root_out=jnp.where(active[:, None], last, state.root_out))

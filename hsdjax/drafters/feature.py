@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.drafters.base import Drafter
-from hsdjax.model import NEG_INF, apply_rope, rms_norm, rope_tables
+from hsdjax.kernels.tree_attention import REFERENCE_BLOCK_S, attention_fn
+from hsdjax.model import apply_rope, rms_norm, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,18 +180,6 @@ def init_net(cfg: FeatureConfig, seed: int = 0) -> dict[str, Any]:
     return jax.tree_util.tree_map(lambda a: a, dict(variables["params"]))
 
 
-def gqa_attention(q: Float[Array, "B T H D"], k: Float[Array, "B S K D"], v: Float[Array, "B S K D"],
-                  mask: Bool[Array, "B T S"]) -> Float[Array, "B T H D"]:
-    """Masked grouped-query attention of T queries over S keys (jnp; small shapes only)."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) / math.sqrt(d)
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Inference: the drafter's cache over the verified context, shared by `hsd` and `eagle`.
 
@@ -198,14 +187,16 @@ CTX_PAD = 64  # context-cache slots beyond the sequence buffer (an ingest may wr
 
 
 def init_context(cfg: FeatureConfig, batch: int, size: int) -> dict[str, Array]:
-    """An empty context cache: keys/values by absolute position, and the ingested length."""
-    shape = (batch, size + CTX_PAD, cfg.kv_heads, cfg.head_dim)
+    """An empty context cache: keys/values [B, K, S', D] by absolute position (S' a whole number of
+    attention blocks), and the ingested length."""
+    slots = -(-(size + CTX_PAD) // REFERENCE_BLOCK_S) * REFERENCE_BLOCK_S
+    shape = (batch, cfg.kv_heads, slots, cfg.head_dim)
     return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32),
             "len": jnp.zeros((batch,), jnp.int32)}
 
 
 def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
-           count: Int[Array, " B"]) -> tuple[dict[str, Array], Float[Array, "B E"]]:
+           count: Int[Array, " B"], attention: str = "auto") -> tuple[dict[str, Array], Float[Array, "B E"]]:
     """Run the drafter layer over ``count`` new verified inputs per row (positions ``ctx["len"]`` ...),
     append their keys/values to the context cache, and return the output at the last one (the
     prediction for the next position). Rows with ``count`` 0 are unchanged (their output is junk)."""
@@ -213,30 +204,28 @@ def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[
     start = ctx["len"]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q, k, v = net.apply({"params": params}, x, positions, method=FeatureDrafterNet.project)
-    write = jax.vmap(lambda buf, upd, s: jax.lax.dynamic_update_slice(buf, upd, (s, 0, 0)))
-    keep = (jnp.arange(t)[None, :] < count[:, None])[:, :, None, None]
-    old_k = jax.vmap(lambda buf, s: jax.lax.dynamic_slice(buf, (s, 0, 0), (t, *buf.shape[1:])))(ctx["k"], start)
-    old_v = jax.vmap(lambda buf, s: jax.lax.dynamic_slice(buf, (s, 0, 0), (t, *buf.shape[1:])))(ctx["v"], start)
-    ck = write(ctx["k"], jnp.where(keep, k, old_k), start)
-    cv = write(ctx["v"], jnp.where(keep, v, old_v), start)
-    s = ck.shape[1]
-    mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]
-    out = net.apply({"params": params}, x, gqa_attention(q, ck, cv, mask), method=FeatureDrafterNet.finish)
+    causal = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))
+    attn = attention_fn(attention)(q, ctx["k"], ctx["v"], start, k, v, causal)
+    out = net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
+    keep = (jnp.arange(t)[None, :] < count[:, None])[:, None, :, None]  # [B, 1, T, 1]
+
+    def write(buf, upd):  # the first ``count`` entries of each row at ``start``; the rest keep their old values
+        old = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (0, s, 0), (row.shape[0], t, row.shape[2])))(buf, start)
+        new = jnp.where(keep, upd.transpose(0, 2, 1, 3), old)
+        return jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(row, u, (0, s, 0)))(buf, new, start)
+
     last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    return {"k": ck, "v": cv, "len": start + count}, last
+    return {"k": write(ctx["k"], k), "v": write(ctx["v"], v), "len": start + count}, last
 
 
 def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
                       q: Float[Array, "B T H D"], local_k: Float[Array, "B M K D"], local_v: Float[Array, "B M K D"],
-                      local_mask: Bool[Array, "B T M"]) -> Float[Array, "B T E"]:
-    """New inputs ``x`` (queries ``q``) attend to the whole verified context plus the local keys
-    their mask allows (chain states, or tree ancestors and themselves); then the rest of the layer."""
-    s = ctx["k"].shape[1]
-    ctx_mask = jnp.arange(s)[None, None, :] < ctx["len"][:, None, None]
-    keys = jnp.concatenate([ctx["k"], local_k], axis=1)
-    values = jnp.concatenate([ctx["v"], local_v], axis=1)
-    mask = jnp.concatenate([jnp.broadcast_to(ctx_mask, (*local_mask.shape[:2], s)), local_mask], axis=2)
-    return net.apply({"params": params}, x, gqa_attention(q, keys, values, mask), method=FeatureDrafterNet.finish)
+                      local_mask: Bool[Array, "B T M"], attention: str = "auto") -> Float[Array, "B T E"]:
+    """New inputs ``x`` (queries ``q``) attend to the verified context (its filled part only) plus the
+    local keys their mask allows (chain states, or tree ancestors and themselves); then the rest of
+    the layer."""
+    attn = attention_fn(attention)(q, ctx["k"], ctx["v"], ctx["len"], local_k, local_v, local_mask)
+    return net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +240,7 @@ class FeatureDrafter(Drafter):
     width: int = 3
     budget: int = 5  # nodes verified besides the root
     min_prob: float = 0.0
+    attention: str = "auto"  # drafter attention backend (hsdjax.kernels.tree_attention.attention_fn)
 
     def __post_init__(self):
         object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
@@ -262,6 +252,10 @@ class FeatureDrafter(Drafter):
     @property
     def prompt_layers(self) -> tuple[int, ...]:
         return self.layers
+
+    @property
+    def max_valid_nodes(self) -> int:
+        return 1 + self.budget
 
     def _net(self) -> FeatureDrafterNet:
         return FeatureDrafterNet(self.cfg)

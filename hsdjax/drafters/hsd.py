@@ -51,7 +51,7 @@ class HSDDrafter(FeatureDrafter):
         c = self.cfg
         states = jnp.moveaxis(prompt_fwd["layers"], 0, 2)  # [B, P, F, E]
         x = self._net().apply({"params": dparams["net"]}, states, method=FeatureDrafterNet.fuse_states)
-        ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len)
+        ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len, self.attention)
         size = self.depth + 1
         return HSDState(
             ctx=ctx, chain=jnp.zeros((b, size, c.hidden), jnp.float32).at[:, 0].set(first),
@@ -60,17 +60,18 @@ class HSDDrafter(FeatureDrafter):
             n_chain=jnp.ones((b,), jnp.int32), fresh=jnp.zeros((b, size), jnp.int32).at[:, 0].set(1))
 
     # ------------------------------------------------------------------ chain
-    def _chain_step(self, dparams, st: HSDState, j: int) -> HSDState:
-        """chain[j+1] from chain[j] (rows whose chain is exactly j+1 long)."""
+    def _chain_step(self, dparams, ctx: dict[str, Array], st: HSDState, j: int) -> HSDState:
+        """chain[j+1] from chain[j] (rows whose chain is exactly j+1 long). ``st`` holds the chain
+        fields only (its ``ctx`` is empty): the context cache is read, never carried through."""
         net, p = self._net(), dparams["net"]
         b = st.chain.shape[0]
         x = st.chain[:, j: j + 1]
-        pos = (st.ctx["len"] + j)[:, None]
+        pos = (ctx["len"] + j)[:, None]
         q, k, v = net.apply({"params": p}, x, pos, method=FeatureDrafterNet.project)
         ck = st.chain_k.at[:, j].set(k[:, 0])
         cv = st.chain_v.at[:, j].set(v[:, 0])
         local_mask = (jnp.arange(ck.shape[1]) <= j)[None, None, :].repeat(b, 0)
-        out = attend_and_finish(net, p, st.ctx, x, q, ck, cv, local_mask)[:, 0]
+        out = attend_and_finish(net, p, ctx, x, q, ck, cv, local_mask, self.attention)[:, 0]
         need = st.n_chain == j + 1
         return st.replace(
             chain=jnp.where(need[:, None, None], st.chain.at[:, j + 1].set(out), st.chain),
@@ -83,11 +84,13 @@ class HSDDrafter(FeatureDrafter):
         """Make sure ``depth`` chain states exist; one chain step per missing depth, skipped when no
         active row needs it. Returns the state and the chain steps per row."""
         steps = jnp.zeros_like(st.n_chain)
+        ctx, chain = st.ctx, st.replace(ctx=())  # the conditional carries the small chain fields only
         for j in range(self.depth - 1):
-            need = (st.n_chain == j + 1) & active
+            need = (chain.n_chain == j + 1) & active
             steps = steps + need.astype(jnp.int32)
-            st = jax.lax.cond(jnp.any(need), lambda s, j=j: self._chain_step(dparams, s, j), lambda s: s, st)
-        return st, steps
+            chain = jax.lax.cond(jnp.any(need), lambda s, j=j: self._chain_step(dparams, ctx, s, j), lambda s: s,
+                                 chain)
+        return chain.replace(ctx=ctx), steps
 
     # ------------------------------------------------------------------ rounds
     def propose(self, dparams, state: HSDState, gen):
@@ -123,9 +126,9 @@ class HSDDrafter(FeatureDrafter):
         net, p = self._net(), dparams["net"]
         active = ~gen_before.done
         count = jnp.where(active, verdict.n_path, 0)
-        fused = jnp.stack([path_states["layers"][i] for i in self.layers], axis=2)  # [B, P, F, E]
+        fused = jnp.moveaxis(path_states["layers"], 0, 2)  # [B, P, F, E]
         x = net.apply({"params": p}, fused, method=FeatureDrafterNet.fuse_states)
-        ctx, fresh_state = ingest(net, p, state.ctx, x, count)
+        ctx, fresh_state = ingest(net, p, state.ctx, x, count, self.attention)
         # shift the chain by the advance; the fresh ingest output replaces the kept guess for the root
         size = state.chain.shape[1]
         idx = jnp.arange(size)[None, :] + count[:, None]
