@@ -1,13 +1,22 @@
-"""Pallas kernels (installed as ``hsdjax.kernels``)."""
+"""Pallas kernels (installed as ``hsdjax.kernels``).
 
-from hsdjax.kernels.tree_attention import (
-    NEG_INF,
-    attention_backend,
-    attention_fn,
-    tree_attention,
-    tree_attention_auto,
-    tree_attention_reference,
-)
+Python started at the repository root also finds this folder as a top-level module ``kernels``, the
+name of Hugging Face's kernel-hub package that transformers probes for. Imported under that name it
+loads nothing (no hsdjax, no jax), so such a probe stays harmless; the kernels are reached as
+``hsdjax.kernels``.
+"""
 
-__all__ = ["NEG_INF", "attention_backend", "attention_fn", "tree_attention", "tree_attention_auto",
-           "tree_attention_reference"]
+if __name__ == "hsdjax.kernels":
+    from hsdjax.kernels.tree_attention import (
+        NEG_INF,
+        attention_backend,
+        attention_fn,
+        tree_attention,
+        tree_attention_auto,
+        tree_attention_reference,
+    )
+
+    __all__ = ["NEG_INF", "attention_backend", "attention_fn", "tree_attention", "tree_attention_auto",
+               "tree_attention_reference"]
+else:
+    __all__ = []
