@@ -93,7 +93,9 @@ def verify_chain_sampled(logits: Float[Array, "B N V"], tree: DraftTree, sp: Sam
                          residual: Callable[[Array, Array], Array] = residual_probs) -> Verdict:
     """The sampled-chain rule (see module docstring); ``tree`` must be a chain with ``q_probs``."""
     b, n, v = logits.shape
-    p = jax.vmap(lambda lg: target_probs(lg, sp), in_axes=1, out_axes=1)(logits)  # [B, N, V]
+    flat_sp = jax.tree_util.tree_map(lambda a: jnp.repeat(a, n, axis=0), sp)
+    # flattened, not vmapped: under vmap the sampling fast path's conditionals become selects (both run)
+    p = target_probs(logits.reshape(b * n, v), flat_sp).reshape(b, n, v)  # [B, N, V]
     q = tree.q_probs  # [B, N-1, V]
     drafts = tree.tokens[:, 1:]
     p_x = jnp.take_along_axis(p[:, :-1], drafts[:, :, None], axis=2)[:, :, 0]
