@@ -1,35 +1,50 @@
 """Self-distillation data for feature drafters: the target answers training prompts itself.
 
-For each batch of prompts the target generates answers with the jitted engine (plain decoding with
-a recording drafter, so nothing is computed twice) and records, per token: the token, whether it
-belongs to the answer, the target's input states of the fused layers plus its last layer's output
-(bfloat16), and its top-k next-token logits. Batches become shards (``shard_00000.npz`` ...) under the data folder;
-``manifest.json`` lists finished shards and how many prompts were consumed, so a rerun continues
-where the last one stopped and never redoes a finished shard. Work stops at a token budget.
+The target generates answers with the jitted engine (plain decoding with a recording drafter) and
+records, per token: the token, whether it belongs to an answer, the target's input states of the
+fused layers plus its last layer's output (bfloat16), and its top-k next-token logits.
+
+Generation is a continuous batch (``ContinuousRecorder``): every ``refill_every`` rounds finished rows
+leave the batch (their records go to the shard stream) and freshly prefilled prompts take their slots
+(``engine.insert_rows``). Prompts come from one or more files, interleaved by per-source weights
+(``prompt_stream``); they are taken in chunks sorted by length, so prefill buckets are dense, and each
+chunk runs at the smallest KV-cache size its prompts need. Multi-turn prompts (``turns``) are answered
+turn by turn, each turn seeing the target's own earlier answers; the whole conversation is one document.
+
+Documents become shards (``shard_00000.npz`` ...); ``manifest.json`` lists the shards and, per shard, the
+stream indices of its prompts, so a process killed at any moment resumes without redoing or losing a
+shard (rows in flight at the kill are simply generated again). Work stops at a token budget.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, Float, Int
 
+from hsdjax import engine, sharding
 from hsdjax.drafters.base import ARDrafter
 from hsdjax.drafters.checkpoint import frozen_from_target
 from hsdjax.errors import HsdjaxError
+from hsdjax.sampling import top_k_blocked
 from hsdjax.jsonl import read_objects
+from hsdjax.sampling import SamplingParams
 from hsdjax.sharding import to_host
 
+MANIFEST_FORMAT = 2  # 2: shards list their prompts' stream indices (continuous batching)
+PERF_KEYS = ("dir", "token_budget", "batch", "refill_every", "chunk", "shard_tokens")  # not part of the data
+PREFILL_SIZES = (16, 4, 1)  # new rows are prefilled in groups of these sizes (few compiled shapes, no padding)
 
 
 def fused_layer_indices(num_layers: int) -> tuple[int, int, int, int]:
@@ -38,59 +53,125 @@ def fused_layer_indices(num_layers: int) -> tuple[int, int, int, int]:
     return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0), num_layers)
 
 
-def read_prompts(path: str | Path, exclude_sources: list[str]) -> list[dict[str, Any]]:
-    """Training prompts (jsonl with ``prompt`` and optional ``source``), minus excluded sources."""
-    path = Path(path)
-    if not path.is_file():
-        raise HsdjaxError(f"training prompts not found: {path}")
+# ------------------------------------------------------------------------------------------ prompts
+
+
+def _source_of(source: str, names: Iterable[str]) -> str | None:
+    """The entry of ``names`` that ``source`` falls under (``t0`` covers ``t0:<template>``), or None."""
+    for s in names:
+        if source == s or source.startswith(s + ":"):
+            return s
+    return None
+
+
+def _prompt_files(prompts: Any) -> list[Path]:
+    files = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
+        raise HsdjaxError(f"data.prompts must be a path or a non-empty list of paths (got {prompts!r})")
+    return [Path(f) for f in files]
+
+
+def read_prompts(paths: str | list[str], exclude_sources: list[str], max_turns: int = 2) -> list[dict[str, Any]]:
+    """Training prompts from jsonl files (``prompt``, optional ``source`` and ``turns``), minus excluded
+    sources, in file order. Each row: ``{"source", "turns": (user turn, ...)}`` (at most ``max_turns``)."""
     rows = []
-    for n, obj in read_objects(path, "training prompts"):
-        if not isinstance(obj.get("prompt"), str):
-            raise HsdjaxError(f"{path}:{n}: expected an object with a string 'prompt'")
-        source = str(obj.get("source", ""))
-        if any(source == s or source.startswith(s + ":") for s in exclude_sources):
-            continue
-        rows.append({"prompt": obj["prompt"], "source": source})
+    for path in _prompt_files(paths):
+        if not path.is_file():
+            raise HsdjaxError(f"training prompts not found: {path}")
+        for n, obj in read_objects(path, "training prompts"):
+            if not isinstance(obj.get("prompt"), str):
+                raise HsdjaxError(f"{path}:{n}: expected an object with a string 'prompt'")
+            source = str(obj.get("source", ""))
+            if _source_of(source, exclude_sources):
+                continue
+            turns = obj.get("turns") or [obj["prompt"]]
+            if not isinstance(turns, list) or not all(isinstance(t, str) and t.strip() for t in turns):
+                raise HsdjaxError(f"{path}:{n}: 'turns' must be a list of non-empty strings")
+            rows.append({"source": source, "turns": tuple(turns[:max(1, max_turns)])})
     if not rows:
-        raise HsdjaxError(f"{path}: no prompts left after excluding sources {exclude_sources}")
+        raise HsdjaxError(f"{', '.join(map(str, _prompt_files(paths)))}: no prompts left after excluding "
+                          f"sources {exclude_sources}")
     return rows
 
 
+def source_weight_table(rows: list[dict[str, Any]], weights: dict[str, Any] | None) -> dict[str, float]:
+    """Weight of every source group in ``rows`` (the part of ``source`` before ":", so ``t0`` covers
+    ``t0:<template>``); unlisted groups weigh 1, names no file has are errors."""
+    present = sorted({r["source"].split(":")[0] for r in rows})
+    weights = dict(weights or {})
+    for name, w in weights.items():
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0:
+            raise HsdjaxError(f"data.source_weights[{name!r}] must be a number >= 0 (got {w!r})")
+        if name not in present:
+            raise HsdjaxError(f"data.source_weights names {name!r}, which no prompt file has (sources: {present})")
+    return {g: float(weights.get(g, 1.0)) for g in present}
+
+
+def prompt_stream(data_cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """The config's prompts as one deterministic stream: row ``i`` has ``index`` ``i``.
+
+    Each source group's prompts keep their file order; groups interleave in proportion to their
+    weights (``source_weights``: the k-th prompt of a group of weight w sits at (k + u) / w, u a
+    ``seed``-ed offset in [0, 1)), so every prefix of the stream holds the groups in those proportions
+    until one runs out. A weight of 0, like ``exclude_sources``, leaves a source out."""
+    rows = read_prompts(data_cfg["prompts"], [], int(data_cfg.get("max_turns", 2)))
+    weights = source_weight_table(rows, data_cfg.get("source_weights"))  # excluded sources may be named
+    exclude = list(data_cfg.get("exclude_sources", []))
+    groups: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for r in rows:
+        if not _source_of(r["source"], exclude):
+            groups[r["source"].split(":")[0]].append(r)
+    rng = np.random.RandomState(int(data_cfg.get("seed", 0)))
+    keyed = []
+    for g in sorted(groups):
+        u = rng.uniform()
+        if weights[g] > 0:
+            keyed += [((k + u) / weights[g], g, k, r) for k, r in enumerate(groups[g])]
+    if not keyed:
+        raise HsdjaxError(f"no prompts left after excluding sources {exclude} and those of weight 0")
+    keyed.sort(key=lambda x: x[:3])
+    return [dict(r, index=i) for i, (*_, r) in enumerate(keyed)]
+
+
 def data_key(target_fingerprint: str, data_cfg: dict[str, Any]) -> str:
-    """Folder name for a data configuration: same target + same settings = same data (the budget
-    is left out, so raising it continues the same folder)."""
-    blob = json.dumps({"target": target_fingerprint, **{k: v for k, v in data_cfg.items() if k not in ("dir", "token_budget")}},
+    """Folder name for a data configuration: same target + same settings = same data (the budget and
+    the settings that only change speed are left out, so raising the budget continues the same folder)."""
+    blob = json.dumps({"target": target_fingerprint, **{k: v for k, v in data_cfg.items() if k not in PERF_KEYS}},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def top_k_blocked(logits: Array, k: int, block: int = 512) -> tuple[Array, Array]:
-    """Exact top-k over a large vocabulary in two stages: the k blocks with the largest maxima
-    hold the top k, so only k*block candidates are sorted. (On XLA's CPU backend ``lax.top_k``
-    over the whole vocabulary is a full sort, about 60x slower here.)"""
-    *lead, v = logits.shape
-    if v <= k * block:
-        return jax.lax.top_k(logits, k)
-    pad = (-v) % block
-    if pad:
-        logits = jnp.concatenate([logits, jnp.full((*lead, pad), -jnp.inf, logits.dtype)], axis=-1)
-    blocks = logits.reshape(*lead, -1, block)
-    _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)
-    cand = jnp.take_along_axis(blocks, best_blocks[..., None], axis=-2).reshape(*lead, k * block)
-    vals, ci = jax.lax.top_k(cand, k)
-    ids = jnp.take_along_axis(best_blocks, ci // block, axis=-1) * block + ci % block
-    return vals, ids
+def data_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The generation settings of a data config, with defaults, checked."""
+    if "prompts" not in data_cfg:
+        raise HsdjaxError("data.prompts is missing (a prompts file or a list of them)")
+    out = {}
+    for key, default in (("token_budget", 1_000_000), ("batch", 64), ("refill_every", 16), ("chunk", 4096),
+                         ("shard_tokens", 16384), ("max_prompt_tokens", 384), ("max_new_tokens", 256),
+                         ("top_k_logits", 8), ("max_turns", 2)):
+        v = data_cfg.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise HsdjaxError(f"data.{key} must be a positive integer (got {v!r})")
+        out[key] = v
+    temperature = data_cfg.get("temperature", 0.0)
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise HsdjaxError(f"data.temperature must be a number >= 0 (got {temperature!r})")
+    out["temperature"] = float(temperature)
+    out["seed"] = int(data_cfg.get("seed", 0))
+    return out
 
 
 def _writer_tag() -> str:
     """Process index and pid: temporary file names no other writer uses."""
-    import jax
-
     return f"{jax.process_index()}.{os.getpid()}"
 
 
 class DataWriter:
     """Shards + manifest in one folder; writes are atomic (temporary file, then rename).
+
+    Each shard entry lists the stream indices of its documents' prompts: the finished prompts are
+    their union, so a rerun skips exactly those. A shard written but not yet in the manifest (a kill
+    between the two renames) is overwritten by the next run.
 
     In a multi-process run every process computes the same replicated data and writes it; each writes
     through its own temporary name, so a shared folder ends with one whole copy and local folders each
@@ -102,21 +183,26 @@ class DataWriter:
         self.manifest_path = folder / "manifest.json"
         if self.manifest_path.exists():
             self.manifest = json.loads(self.manifest_path.read_text())
+            if self.manifest.get("format") != MANIFEST_FORMAT and self.manifest.get("shards"):
+                raise HsdjaxError(f"{folder} holds drafter data in an older format (no prompt indices per "
+                                  "shard); move it away or set data.dir to a new folder")
         else:
-            self.manifest = {**meta, "shards": [], "prompts_done": 0, "tokens": 0, "answer_tokens": 0,
-                             "seconds": 0.0, "complete": False}
+            self.manifest = {**meta, "format": MANIFEST_FORMAT, "shards": [], "prompts_done": 0, "tokens": 0,
+                             "answer_tokens": 0, "seconds": 0.0, "complete": False}
 
-    def add(self, arrays: dict[str, np.ndarray], prompts_done: int, seconds: float) -> None:
+    def done_prompts(self) -> set[int]:
+        return {i for shard in self.manifest["shards"] for i in shard.get("prompts", [])}
+
+    def add(self, arrays: dict[str, np.ndarray], prompts: list[int], seconds: float) -> None:
         name = f"shard_{len(self.manifest['shards']):05d}.npz"
         tmp = self.folder / f"{name}.{_writer_tag()}.tmp.npz"
         np.savez(tmp, **arrays)
         os.replace(tmp, self.folder / name)
-        n = int(arrays["tokens"].shape[0])
-        self.manifest["shards"].append({"file": name, "tokens": n,
-                                        "answer_tokens": int(arrays["answer"].sum())})
-        self.manifest["prompts_done"] = prompts_done
+        n, answer = int(arrays["tokens"].shape[0]), int(arrays["answer"].sum())
+        self.manifest["shards"].append({"file": name, "tokens": n, "answer_tokens": answer, "prompts": prompts})
+        self.manifest["prompts_done"] += len(prompts)
         self.manifest["tokens"] += n
-        self.manifest["answer_tokens"] += int(arrays["answer"].sum())
+        self.manifest["answer_tokens"] += answer
         self.manifest["seconds"] += seconds
         self.save()
 
@@ -126,65 +212,15 @@ class DataWriter:
         os.replace(tmp, self.manifest_path)
 
 
-def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progress: bool = True) -> dict[str, Any]:
-    """Generate (or continue generating) the data described by ``data_cfg`` into ``folder``."""
-    from tqdm import tqdm
-
-    from hsdjax.api import Generator
-
-    cfg = model.cfg
-    layer_idx = fused_layer_indices(cfg.num_layers)
-    meta = {"target": model.name, "target_fingerprint": model.fingerprint, "layers": list(layer_idx),
-            "config": data_cfg, "sources": []}
-    writer = DataWriter(folder, meta)
-    man = writer.manifest
-    budget = int(data_cfg.get("token_budget", 1_000_000))
-    if man["complete"] or man["tokens"] >= budget:  # complete = every prompt used; a larger budget continues
-        return man
-    prompts = read_prompts(data_cfg["prompts"], list(data_cfg.get("exclude_sources", [])))
-    gen = Generator(model, "ar")
-    tok = model.tokenizer
-    batch = int(data_cfg.get("batch", 32))
-    max_prompt = int(data_cfg.get("max_prompt_tokens", 384))
-    max_new = int(data_cfg.get("max_new_tokens", 256))
-    top_k = int(data_cfg.get("top_k_logits", 8))
-    temperature = float(data_cfg.get("temperature", 0.0))
-    gen.drafter = RecordingDrafter(layers=layer_idx, top_k=top_k)
-    gen.dparams = {"head": frozen_from_target(model)["head_full"]}
-    sources = set(man.get("sources", []))
-    bar = tqdm(total=budget, initial=min(man["tokens"], budget), unit="tok", desc="drafter data",
-               disable=not progress, smoothing=0.1)
-    index = man["prompts_done"]
-    while man["tokens"] < budget and index < len(prompts):
-        t0 = time.perf_counter()
-        rows, used = [], []
-        while len(rows) < batch and index < len(prompts):
-            item = prompts[index]
-            index += 1
-            ids = tok.encode_chat([{"role": "user", "content": item["prompt"]}]) if tok.has_chat_template \
-                else tok.encode(item["prompt"], add_special_tokens=True)
-            if len(ids) <= max_prompt:
-                rows.append(ids)
-                used.append(item["source"])
-        if not rows:
-            break
-        arrays = _generate_recorded(gen, rows, max_new, temperature, seed=index)
-        sources.update(s.split(":")[0] for s in used)
-        man["sources"] = sorted(sources)
-        writer.add(arrays, index, time.perf_counter() - t0)
-        bar.update(min(arrays["tokens"].shape[0], max(budget - bar.n, 0)))
-        bar.set_postfix(prompts=index, answer_tok=man["answer_tokens"])
-    bar.close()
-    man["complete"] = index >= len(prompts)
-    writer.save()
-    return man
+# ------------------------------------------------------------------------------------------ recording
 
 
 @dataclasses.dataclass(frozen=True)
 class RecordingDrafter(ARDrafter):
     """Plain decoding that records, at every position, the target states of ``layers`` and the
     target's top-k next-token logits: from the prompt's forward at the start, then from each
-    round's verified root. Nothing is computed twice."""
+    round's verified root. (The root's logits are recomputed from its state: the engine does not
+    hand them to drafters.)"""
 
     name: str = "record"
     layers: tuple[int, ...] = ()
@@ -212,18 +248,330 @@ class RecordingDrafter(ARDrafter):
     def observe(self, dparams, state, gen_before, gen_after, verdict, path_states):
         pos = gen_before.seq_len - 1  # the root, verified this round
         rows = jnp.arange(pos.shape[0])
-        fused = jnp.stack([path_states["layers"][i][:, 0] for i in self.layers], axis=1).astype(jnp.bfloat16)
+        fused = jnp.moveaxis(path_states["layers"][:, :, 0], 0, 1).astype(jnp.bfloat16)  # [B, F, E], F = layers
         vals, ids = self._top(dparams, path_states["hidden"][:, 0])
         return {"states": state["states"].at[rows, pos].set(fused),
                 "top_logits": state["top_logits"].at[rows, pos].set(vals),
                 "top_ids": state["top_ids"].at[rows, pos].set(ids)}
 
 
+def recording_drafter(model: Any, top_k: int) -> tuple[RecordingDrafter, dict[str, Array]]:
+    """The recording drafter of a target and its params (the target's full LM head)."""
+    drafter = RecordingDrafter(layers=fused_layer_indices(model.cfg.num_layers), top_k=top_k)
+    dparams = sharding.replicate({"head": frozen_from_target(model)["head_full"]}, getattr(model, "mesh", None))
+    return drafter, dparams
+
+
+@dataclasses.dataclass
+class Job:
+    """One conversation in flight: its prompt's stream index, the turn being answered, its token ids."""
+
+    index: int
+    source: str
+    turns: tuple[str, ...]
+    ids: list[int]
+    turn: int = 0
+    messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    answer_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # earlier answers in ids
+
+
+@jax.jit
+def _gather_rows(state: engine.DecodeState, rows: Int[Array, " N"]) -> dict[str, Array]:
+    """Rows ``rows`` of the sequence and of the recording buffers (a small copy, not the KV cache)."""
+    g = state.gen
+    return {"seq": g.seq[rows], "seq_len": g.seq_len[rows], "prompt_len": g.prompt_len[rows],
+            **{k: v[rows] for k, v in state.draft.items()}}
+
+
+def row_record(seq: np.ndarray, seq_len: int, prompt_len: int, rec: dict[str, np.ndarray],
+               spans: Iterable[tuple[int, int]] = ()) -> dict[str, np.ndarray]:
+    """One finished row as a document: every position but the last generated token (no record)."""
+    n = seq_len - 1
+    answer = np.arange(n) >= prompt_len
+    for a, b in spans:
+        answer[a:b] = True
+    return {"tokens": seq[:n].astype(np.int32), "answer": answer,
+            "states": np.asarray(rec["states"][:n]).view(np.uint16),  # bfloat16 bits (npz has no bfloat16)
+            "top_logits": np.asarray(rec["top_logits"][:n]), "top_ids": np.asarray(rec["top_ids"][:n])}
+
+
+class ContinuousRecorder:
+    """A running batch of ``batch`` rows at one KV-cache size: jobs go in, recorded rows come out.
+
+    ``run`` decodes ``refill_every`` rounds per call; between calls finished rows are handed to
+    ``finish`` (which may return the conversation's next turn) and free slots get freshly prefilled
+    jobs (groups of ``PREFILL_SIZES`` rows, so few prefill shapes compile and none is padded). Finished
+    rows still cost a slot in every round, so the batch starts no larger than its work needs and, once
+    the queue is empty, shrinks by 4x whenever the busy rows fit (``batch_sizes``)."""
+
+    def __init__(self, model: Any, drafter: RecordingDrafter, dparams: Any, *, batch: int, cache_size: int,
+                 max_new: int, temperature: float, seed: int, refill_every: int, stop_ids: Iterable[int]):
+        self.model, self.drafter, self.dparams = model, drafter, dparams
+        self.cfg, self.mesh = model.cfg, getattr(model, "mesh", None)
+        self.batch, self.cache_size, self.max_new = batch, cache_size, max_new
+        self.temperature, self.seed, self.refill_every = temperature, seed, refill_every
+        self.stop_ids = engine.stop_array(tuple(stop_ids))
+        self.state: engine.DecodeState | None = None
+        self.slots: list[Job | None] = [None] * batch
+        self.deferred: list[Job] = []  # next turns that need a larger cache
+        self.rounds = 0
+        self.row_rounds = 0  # rounds x busy rows (occupancy = row_rounds / (rounds x batch))
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Batch sizes the running state takes: ``batch``, then quarters of it (one compiled decode each)."""
+        sizes = [self.batch]
+        while sizes[-1] >= 4:
+            sizes.append(sizes[-1] // 4)
+        return sizes
+
+    def _size_for(self, rows: int) -> int:
+        return min((b for b in self.batch_sizes if b >= rows), default=self.batch)
+
+    def fits(self, job: Job) -> bool:
+        return len(job.ids) + self.max_new + self.drafter.spare + 1 <= self.cache_size
+
+    def run(self, queue: collections.deque[Job], admit: Callable[[], bool],
+            finish: Callable[[Job, dict[str, Any]], Job | None]) -> None:
+        """Decode until ``queue`` is empty (or ``admit()`` says stop taking jobs) and every row is done."""
+        while True:
+            if admit():
+                self._fill(queue)
+            else:
+                queue.clear()
+            self._shrink(queue)
+            busy = sum(j is not None for j in self.slots)
+            if not busy:
+                break
+            self.state = engine.decode(self.model.params, self.dparams, self.state, jnp.int32(self.refill_every),
+                                       cfg=self.cfg, drafter=self.drafter)
+            self.rounds += self.refill_every
+            self.row_rounds += busy * self.refill_every
+            self._collect(queue, finish)
+        self.state = None  # frees the batch's cache
+
+    def _shrink(self, queue: collections.deque[Job]) -> None:
+        """With nothing left to admit, move the busy rows into the smallest batch size that holds them."""
+        busy = [i for i, j in enumerate(self.slots) if j is not None]
+        size = self._size_for(len(busy))
+        if queue or self.state is None or not busy or size >= len(self.slots):
+            return
+        rows = np.full((size,), -1, np.int32)
+        rows[: len(busy)] = busy
+        self.state = engine.take_rows(self.state, jnp.asarray(rows))
+        self.slots = [self.slots[i] for i in busy] + [None] * (size - len(busy))
+
+    def _fill(self, queue: collections.deque[Job]) -> None:
+        if self.state is None:
+            self.slots = [None] * self._size_for(len(queue))
+        free = [i for i, j in enumerate(self.slots) if j is None]
+        while free and queue:
+            size = next(s for s in PREFILL_SIZES if s <= min(len(free), len(queue)))
+            jobs = [queue.popleft() for _ in range(size)]
+            new = self._prefill(jobs)
+            if self.state is None:
+                rows = np.full((len(self.slots),), -1, np.int32)
+                rows[:size] = np.arange(size)
+                self.state = engine.take_rows(new, jnp.asarray(rows))
+                slots = list(range(size))
+            else:
+                slots = free[:size]
+                self.state = engine.insert_rows(self.state, new, jnp.asarray(slots, jnp.int32))
+            for i, job in zip(slots, jobs):
+                self.slots[i] = job
+            free = [i for i in free if i not in slots]
+
+    def _prefill(self, jobs: list[Job]) -> engine.DecodeState:
+        """Prefill ``jobs`` (similar lengths: the queue is sorted) into a fresh state of len(jobs) rows."""
+        n = len(jobs)
+        p_bucket = engine.pick_bucket(max(len(j.ids) for j in jobs), engine.PROMPT_BUCKETS, "a prompt")
+        prompt = np.zeros((n, p_bucket), np.int32)
+        for i, j in enumerate(jobs):
+            prompt[i, : len(j.ids)] = j.ids
+        base = jax.random.PRNGKey(self.seed)
+        keys = jnp.stack([jax.random.fold_in(jax.random.fold_in(base, j.index), j.turn) for j in jobs])
+        inputs = dict(prompt=jnp.asarray(prompt), prompt_len=jnp.asarray([len(j.ids) for j in jobs], jnp.int32),
+                      max_new=jnp.full((n,), self.max_new, jnp.int32),
+                      sampling=SamplingParams.make(n, self.temperature), keys=keys, stop_ids=self.stop_ids)
+        inputs = sharding.place_inputs(inputs, self.mesh)
+        gen, fwd = engine.prefill(self.model.params, *inputs.values(), cfg=self.cfg, cache_size=self.cache_size,
+                                  spare=self.drafter.spare, keep_layers=self.drafter.prompt_layers)
+        state = engine.start_decoding(self.dparams, gen, fwd, drafter=self.drafter)
+        return sharding.shard_state(state, self.cfg, self.mesh)
+
+    def _collect(self, queue: collections.deque[Job], finish: Callable[[Job, dict[str, Any]], Job | None]) -> None:
+        """Hand finished rows to ``finish``; their next turns go to the front of the queue (or, when they
+        need a larger cache, to ``deferred``)."""
+        done = to_host(self.state.gen.done)
+        rows = [i for i, j in enumerate(self.slots) if j is not None and done[i]]
+        if not rows:
+            return
+        n = engine.pick_bucket(len(rows), (1, 4, 16, 64, 256, 1024, 4096), "finished rows")
+        idx = np.asarray(rows + [rows[0]] * (n - len(rows)), np.int32)
+        got = {k: to_host(v) for k, v in _gather_rows(self.state, jnp.asarray(idx)).items()}
+        for k, i in enumerate(rows):
+            job, self.slots[i] = self.slots[i], None
+            raw = {key: v[k] for key, v in got.items()}
+            nxt = finish(job, raw)
+            if nxt is not None:
+                (queue.appendleft if self.fits(nxt) else self.deferred.append)(nxt)
+
+
+# ------------------------------------------------------------------------------------------ the data folder
+
+
+def encode_turns(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt ids of a conversation (chat template when the model has one; else the last user turn)."""
+    if tok.has_chat_template:
+        return tok.encode_chat(messages)
+    return tok.encode(messages[-1]["content"], add_special_tokens=True)
+
+
+def next_turn(tok: Any, job: Job, raw: dict[str, Any], max_prompt: int) -> Job | None:
+    """The conversation's next turn with the target's own answer in context, or None (last turn, no
+    chat template, or the conversation grew past ``max_prompt`` tokens)."""
+    if job.turn + 1 >= len(job.turns) or not tok.has_chat_template:
+        return None
+    stops = set(tok.stop_ids)
+    answer_ids = raw["seq"][int(raw["prompt_len"]): int(raw["seq_len"])].tolist()
+    answer = tok.decode([t for t in answer_ids if t not in stops], skip_special_tokens=True)
+    said = job.messages + [{"role": "assistant", "content": answer}]
+    messages = said + [{"role": "user", "content": job.turns[job.turn + 1]}]
+    ids = tok.encode_chat(messages)
+    if len(ids) > max_prompt:
+        return None
+    end = len(tok.encode_chat(said, add_generation_prompt=False))
+    spans = job.answer_spans + [(len(job.ids), end)]
+    if ids[: len(job.ids)] != job.ids or end > len(ids):  # the template re-rendered earlier turns
+        spans = []
+    return Job(job.index, job.source, job.turns, ids, job.turn + 1, messages, spans)
+
+
+class ShardSink:
+    """Collects finished documents and writes a shard whenever ``shard_tokens`` are buffered."""
+
+    def __init__(self, writer: DataWriter, shard_tokens: int, bar: Any):
+        self.writer, self.shard_tokens, self.bar = writer, shard_tokens, bar
+        self.docs: list[dict[str, np.ndarray]] = []
+        self.prompts: list[int] = []
+        self.sources = set(writer.manifest.get("sources", []))
+        self.buffered = 0
+        self.t0 = time.perf_counter()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens written plus buffered."""
+        return self.writer.manifest["tokens"] + self.buffered
+
+    def add(self, job: Job, doc: dict[str, np.ndarray]) -> None:
+        self.docs.append(doc)
+        self.prompts.append(job.index)
+        self.sources.add(job.source.split(":")[0])
+        n = int(doc["tokens"].shape[0])
+        self.buffered += n
+        self.bar.update(n)
+        if self.buffered >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.docs:
+            return
+        arrays = {k: np.concatenate([d[k] for d in self.docs]) for k in self.docs[0]}
+        arrays["doc"] = np.concatenate([np.full(d["tokens"].shape, i, np.int32) for i, d in enumerate(self.docs)])
+        man = self.writer.manifest
+        man["sources"] = sorted(self.sources)
+        now = time.perf_counter()
+        self.writer.add(arrays, self.prompts, now - self.t0)
+        self.t0, self.docs, self.prompts, self.buffered = now, [], [], 0
+        self.bar.set_postfix(prompts=man["prompts_done"], answer_tok=man["answer_tokens"])
+
+
+def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progress: bool = True) -> dict[str, Any]:
+    """Generate (or continue generating) the data described by ``data_cfg`` into ``folder``."""
+    from tqdm import tqdm
+
+    opts = data_settings(data_cfg)
+    layer_idx = fused_layer_indices(model.cfg.num_layers)
+    meta = {"target": model.name, "target_fingerprint": model.fingerprint, "layers": list(layer_idx),
+            "config": data_cfg, "sources": []}
+    writer = DataWriter(folder, meta)
+    man = writer.manifest
+    budget = opts["token_budget"]
+    if man["complete"] or man["tokens"] >= budget:  # complete = every prompt used; a larger budget continues
+        return man
+    stream = prompt_stream(data_cfg)
+    done = writer.done_prompts()
+    todo = [r for r in stream if r["index"] not in done]
+    drafter, dparams = recording_drafter(model, opts["top_k_logits"])
+    tok = model.tokenizer
+    bar = tqdm(total=budget, initial=min(man["tokens"], budget), unit="tok", desc="drafter data",
+               disable=not progress, smoothing=0.1)
+    sink = ShardSink(writer, opts["shard_tokens"], bar)
+    for start in range(0, len(todo), opts["chunk"]):
+        if sink.tokens >= budget:
+            break
+        jobs = _encode_chunk(tok, todo[start: start + opts["chunk"]], _prompt_limit(model, opts, drafter))
+        _run_chunk(model, drafter, dparams, jobs, opts, sink, lambda: sink.tokens < budget)
+    sink.flush()
+    bar.close()
+    man["complete"] = sink.tokens < budget  # every prompt was used before the budget ran out
+    writer.save()
+    return man
+
+
+def _prompt_limit(model: Any, opts: dict[str, Any], drafter: RecordingDrafter, turn: int = 0) -> int:
+    """Longest prompt of a first turn (``max_prompt_tokens``) or of a later one (that plus
+    ``max_new_tokens``), within the model's context."""
+    fits = model.cfg.max_context - opts["max_new_tokens"] - drafter.spare - 1
+    return min(opts["max_prompt_tokens"] + (opts["max_new_tokens"] if turn else 0), fits)
+
+
+def _encode_chunk(tok: Any, rows: list[dict[str, Any]], max_prompt: int) -> list[Job]:
+    """Jobs of a chunk of stream rows, prompts over ``max_prompt`` tokens left out."""
+    jobs = []
+    for r in rows:
+        messages = [{"role": "user", "content": r["turns"][0]}]
+        ids = encode_turns(tok, messages)
+        if 0 < len(ids) <= max_prompt:
+            jobs.append(Job(r["index"], r["source"], r["turns"], ids, 0, messages))
+    return jobs
+
+
+def _run_chunk(model: Any, drafter: RecordingDrafter, dparams: Any, jobs: list[Job], opts: dict[str, Any],
+               sink: ShardSink, admit: Callable[[], bool]) -> None:
+    """Answer a chunk of jobs: one continuous batch per KV-cache size, smallest first, each fed its
+    prompts sorted by length; next turns that outgrow a cache size wait for a larger one."""
+    tok = model.tokenizer
+    max_conv = _prompt_limit(model, opts, drafter, turn=1)
+
+    def cache_for(job: Job) -> int:
+        return engine.plan_shapes(model.cfg, len(job.ids), opts["max_new_tokens"], spare=drafter.spare)[1]
+
+    def finish(job: Job, raw: dict[str, Any]) -> Job | None:
+        nxt = next_turn(tok, job, raw, max_conv)
+        if nxt is None:
+            sink.add(job, row_record(raw["seq"], int(raw["seq_len"]), int(raw["prompt_len"]), raw, job.answer_spans))
+        return nxt
+
+    pending: dict[int, list[Job]] = collections.defaultdict(list)
+    for job in jobs:
+        pending[cache_for(job)].append(job)
+    while pending:
+        size = min(pending)
+        queue = collections.deque(sorted(pending.pop(size), key=lambda j: (len(j.ids), j.index)))
+        rec = ContinuousRecorder(model, drafter, dparams, batch=opts["batch"], cache_size=size,
+                                 max_new=opts["max_new_tokens"], temperature=opts["temperature"], seed=opts["seed"],
+                                 refill_every=opts["refill_every"], stop_ids=tok.stop_ids)
+        rec.run(queue, admit, finish)
+        for job in rec.deferred:
+            pending[cache_for(job)].append(job)
+
+
 def _generate_recorded(gen: Any, rows: list[list[int]], max_new: int, temperature: float,
                        seed: int) -> dict[str, np.ndarray]:
-    """Generate answers for ``rows`` and return the flat recorded stream (``doc`` numbers the
-    sequences, ``answer`` marks generated tokens; the last generated token has no record and is
-    dropped)."""
+    """The fixed-batch recorder (reference for tests and benchmarks): ``gen`` (a ``Generator`` whose
+    drafter is a ``RecordingDrafter``) answers ``rows`` in one batch that runs until its longest answer
+    ends; returns the flat recorded stream (see ``flatten_recorded``)."""
     inputs, _, s_bucket = gen._batch(rows, max_new, temperature, 0, 1.0, seed)
     state, _, _ = gen._prefill(inputs, s_bucket)
     program, _ = gen._decode_program(state)
@@ -231,19 +579,16 @@ def _generate_recorded(gen: Any, rows: list[list[int]], max_new: int, temperatur
 
 
 def flatten_recorded(state: Any, prompt_lens: list[int]) -> dict[str, np.ndarray]:
-    """The recorded rows of a finished ``DecodeState`` (of a ``RecordingDrafter``) as one stream."""
+    """The recorded rows of a finished ``DecodeState`` (of a ``RecordingDrafter``) as one stream
+    (``doc`` numbers the sequences, ``answer`` marks generated tokens; the last generated token has no
+    record and is dropped)."""
     rec = jax.tree_util.tree_map(to_host, state.draft)  # to_host: whole arrays even when sharded (multi-host)
     seq, seq_len = to_host(state.gen.seq), to_host(state.gen.seq_len)
-    out: dict[str, list[np.ndarray]] = {k: [] for k in ("tokens", "doc", "answer", "states", "top_logits", "top_ids")}
-    for i, p_len in enumerate(prompt_lens):
-        n = int(seq_len[i]) - 1
-        out["tokens"].append(seq[i, :n].astype(np.int32))
-        out["doc"].append(np.full((n,), i, np.int32))
-        out["answer"].append(np.arange(n) >= p_len)
-        out["states"].append(rec["states"][i, :n].view(np.uint16))  # bfloat16 bits (npz has no bfloat16)
-        out["top_logits"].append(rec["top_logits"][i, :n])
-        out["top_ids"].append(rec["top_ids"][i, :n])
-    return {k: np.concatenate(v) for k, v in out.items()}
+    docs = [row_record(seq[i], int(seq_len[i]), p_len, {k: v[i] for k, v in rec.items()})
+            for i, p_len in enumerate(prompt_lens)]
+    out = {k: np.concatenate([d[k] for d in docs]) for k in docs[0]}
+    out["doc"] = np.concatenate([np.full(d["tokens"].shape, i, np.int32) for i, d in enumerate(docs)])
+    return out
 
 
 def load_shards(folder: Path, limit_tokens: int | None = None) -> dict[str, np.ndarray]:

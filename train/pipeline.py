@@ -1,8 +1,10 @@
 """`hsdjax train-drafter CONFIG`: data generation then training, reproducible from one JSON config.
 
-A config (see ``configs/drafter-*.json``) names the target, the data (prompts file, excluded sources,
-token budget, generation settings), the drafter's shape and the training settings. Data live in the
-cache keyed by target + data settings, so the `hsd` and `eagle` configs of one target share them;
+A config (see ``configs/drafter-*.json``) names the target, the data (prompt files, per-source weights,
+excluded sources, token budget, generation settings; see ``hsdjax.train.datagen``), the drafter's shape
+and the training settings. Data live in the cache keyed by target + data settings (the budget and the
+speed-only settings ``batch``, ``refill_every``, ``chunk``, ``shard_tokens`` left out), so the `hsd` and
+`eagle` configs of one target share them;
 a training run lives in ``cache/drafters/<config name>/`` (orbax checkpoints, history) and ends by
 exporting a bfloat16 checkpoint that ``--drafter PATH`` loads.
 """

@@ -1,0 +1,236 @@
+"""Self-distillation data at scale: the continuous-batch recorder equals the fixed-batch one, a killed
+run resumes without redoing or losing shards, prompt sources mix by weight, multi-turn conversations
+become one document."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from hsdjax.api import Generator, LoadedModel
+from hsdjax.errors import HsdjaxError
+from hsdjax.model import init_params
+from hsdjax.train import datagen
+from hsdjax.train.datagen import (RecordingDrafter, _generate_recorded, fused_layer_indices, generate_data,
+                                  load_shards, prompt_stream, recording_drafter)
+from tests.conftest import TINY_LLAMA
+
+CFG = TINY_LLAMA
+STOPS = (3, 41)  # the (sharpened) random model's greedy answers hit these at varied lengths
+
+
+class StubTokenizer:
+    """Token ids written as text ("5 7 9"); a toy chat template: role id, content, end id."""
+
+    stop_ids = STOPS
+    ROLE = {"user": 90, "assistant": 91}
+    END = 92
+
+    def __init__(self, chat: bool = False):
+        self.has_chat_template = chat
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        ids = []
+        for m in messages:
+            ids += [self.ROLE[m["role"]], *self.encode(m["content"]), self.END]
+        return ids + ([self.ROLE["assistant"]] if add_generation_prompt else [])
+
+
+@pytest.fixture(scope="module")
+def params():
+    """A tiny random target with weights scaled up: its greedy answers vary instead of repeating a token."""
+    return jax.tree_util.tree_map(lambda a: a * 5.0 if a.ndim >= 2 else a, init_params(CFG, seed=1))
+
+
+def tiny_model(params, chat=False):
+    return LoadedModel("tiny", CFG, params, StubTokenizer(chat), None, "tiny-datagen-test", {})
+
+
+def write_prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def random_prompts(n, seed=0, source=None):
+    rng = np.random.RandomState(seed)
+    rows = []
+    for i in range(n):
+        ids = rng.randint(20, 80, rng.randint(2, 40))  # lengths span two prompt buckets
+        rows.append({"prompt": " ".join(map(str, ids)), **({"source": source} if source else {})})
+    return rows
+
+
+def docs_by_prompt(folder):
+    """{prompt index: {key: array}} of a data folder, checking no prompt appears twice."""
+    data = load_shards(folder)
+    man = data.pop("manifest")
+    indices = [i for shard in man["shards"] for i in shard["prompts"]]
+    assert len(indices) == len(set(indices)), "a prompt was written twice"
+    out = {}
+    for d, index in enumerate(indices):
+        keep = data["doc"] == d
+        out[index] = {k: v[keep] for k, v in data.items() if k != "doc"}
+    return out, man
+
+
+def teacher_forced_check(params, doc):
+    """A document's recorded states and top-1 ids equal one forward pass over its tokens."""
+    import jax.numpy as jnp
+
+    from hsdjax.model import Transformer, causal_mask
+
+    toks = doc["tokens"]
+    t = len(toks)
+    fwd = Transformer(CFG).apply({"params": params}, jnp.asarray(toks)[None], jnp.arange(t)[None],
+                                 causal_mask(jnp.array([t]), t))
+    want = np.stack([np.asarray(fwd["layers"][i][0]) for i in fused_layer_indices(CFG.num_layers)], axis=1)
+    np.testing.assert_allclose(np.asarray(doc["states"], np.float32), want, atol=0.05, rtol=0.02)
+    logits = np.asarray(Transformer(CFG).apply({"params": params}, fwd["hidden"], method=Transformer.logits))[0]
+    assert np.array_equal(doc["top_ids"][:, 0], logits.argmax(-1))
+
+
+CFG_DATA = dict(token_budget=10**6, batch=4, refill_every=3, chunk=16, shard_tokens=200, max_prompt_tokens=64,
+                max_new_tokens=20, top_k_logits=4)
+
+
+def test_continuous_batching_equals_the_fixed_batch_recorder(params, tmp_path):
+    """Same documents as answering each prompt in one fixed batch; states and logits as recorded there."""
+    prompts = random_prompts(22)
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", prompts))
+    model = tiny_model(params)
+    man = generate_data(model, cfg, tmp_path / "data", progress=False)
+    got, _ = docs_by_prompt(tmp_path / "data")
+    assert man["complete"] and sorted(got) == list(range(22))
+    lengths = {len(v["tokens"]) - len(prompts[i]["prompt"].split()) for i, v in got.items()}
+    assert len(lengths) > 3, lengths  # answers end at different rounds: rows really were refilled
+
+    teacher_forced_check(params, got[5])
+    teacher_forced_check(params, got[17])
+
+    gen = Generator(model, "ar")
+    gen.drafter, gen.dparams = recording_drafter(model, 4)
+    rows = [[int(t) for t in p["prompt"].split()] for p in prompts]
+    want = _generate_recorded(gen, rows[:16], 20, 0.0, seed=0)
+    want6 = _generate_recorded(gen, rows[16:], 20, 0.0, seed=0)
+    for i in range(22):
+        w, d = (want, i) if i < 16 else (want6, i - 16)
+        keep = w["doc"] == d
+        g = got[i]
+        assert np.array_equal(g["tokens"], w["tokens"][keep]), i
+        assert np.array_equal(g["answer"], w["answer"][keep]), i
+        assert np.array_equal(g["top_ids"][:, 0], w["top_ids"][keep][:, 0]), i
+        np.testing.assert_allclose(np.asarray(g["states"], np.float32),
+                                   w["states"][keep].view(g["states"].dtype).astype(np.float32), atol=0.05, rtol=0.02)
+
+
+def test_a_killed_run_resumes_without_redoing_or_losing_shards(params, tmp_path, monkeypatch):
+    prompts = random_prompts(30, seed=3)
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", prompts))
+    model = tiny_model(params)
+    generate_data(model, cfg, tmp_path / "whole", progress=False)
+    whole, whole_man = docs_by_prompt(tmp_path / "whole")
+
+    real_add, calls = datagen.DataWriter.add, []
+
+    def add_then_die(self, *args, **kw):
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return real_add(self, *args, **kw)
+
+    monkeypatch.setattr(datagen.DataWriter, "add", add_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        generate_data(model, cfg, tmp_path / "cut", progress=False)
+    cut_man = json.loads((tmp_path / "cut" / "manifest.json").read_text())
+    assert len(cut_man["shards"]) == 3 and not cut_man["complete"]
+    first = {i for s in cut_man["shards"] for i in s["prompts"]}
+    monkeypatch.setattr(datagen.DataWriter, "add", real_add)
+    man = generate_data(model, cfg, tmp_path / "cut", progress=False)
+    resumed, _ = docs_by_prompt(tmp_path / "cut")  # checks no prompt was written twice
+    assert man["complete"] and sorted(resumed) == sorted(whole) == list(range(30))
+    assert man["shards"][:3] == cut_man["shards"] and first < set(resumed)
+    assert man["tokens"] == whole_man["tokens"] == sum(len(v["tokens"]) for v in resumed.values())
+    for i in whole:
+        assert np.array_equal(resumed[i]["tokens"], whole[i]["tokens"]), i
+
+
+def test_a_token_budget_stops_and_a_larger_one_continues(params, tmp_path):
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(30, seed=4)), token_budget=400)
+    model = tiny_model(params)
+    man = generate_data(model, cfg, tmp_path / "d", progress=False)
+    assert 400 <= man["tokens"] < 1200 and not man["complete"]
+    man = generate_data(model, dict(cfg, token_budget=10**6), tmp_path / "d", progress=False)
+    got, _ = docs_by_prompt(tmp_path / "d")
+    assert man["complete"] and sorted(got) == list(range(30))
+
+
+def test_sources_mix_by_weight_and_exclusion(tmp_path):
+    a = write_prompts(tmp_path / "a.jsonl", random_prompts(200, 1, "math") + random_prompts(50, 2, "t0:x")
+                      + random_prompts(50, 3, "t0:y"))
+    b = write_prompts(tmp_path / "b.jsonl", random_prompts(200, 4, "chat") + random_prompts(40, 5, "nc"))
+    cfg = {"prompts": [a, b], "source_weights": {"math": 1.0, "chat": 2.0, "t0": 0.5, "nc": 1.0},
+           "exclude_sources": ["nc", "t0:y"]}
+    stream = prompt_stream(cfg)
+    assert [r["index"] for r in stream] == list(range(len(stream)))
+    assert len(stream) == 200 + 50 + 200  # nc and t0:y excluded
+    head = [r["source"].split(":")[0] for r in stream[:140]]
+    assert abs(head.count("chat") - 80) <= 2 and abs(head.count("math") - 40) <= 2 and abs(head.count("t0") - 20) <= 2
+    assert {r["source"] for r in stream if r["source"].startswith("t0")} == {"t0:x"}
+    assert stream == prompt_stream(cfg)  # deterministic
+    assert [r["source"] for r in prompt_stream(dict(cfg, seed=1))] != [r["source"] for r in stream]
+    zero = prompt_stream(dict(cfg, source_weights={"math": 0, "chat": 1}))
+    assert {r["source"].split(":")[0] for r in zero} == {"chat", "t0"}
+    with pytest.raises(HsdjaxError, match="names 'code', which no prompt file has"):
+        prompt_stream(dict(cfg, source_weights={"code": 1.0}))
+    with pytest.raises(HsdjaxError, match=r"source_weights\['math'\] must be a number >= 0"):
+        prompt_stream(dict(cfg, source_weights={"math": -1}))
+    with pytest.raises(HsdjaxError, match="data.batch must be a positive integer"):
+        datagen.data_settings(dict(cfg, batch=0))
+
+
+def test_multi_turn_prompts_become_one_document(params, tmp_path):
+    """Turn 2 is answered with the target's own turn-1 answer in context; the conversation is one
+    document whose answer mask covers both answers; the manifest records the sources used."""
+    rng = np.random.RandomState(5)
+    rows = []
+    for i in range(8):
+        turns = [" ".join(map(str, rng.randint(20, 80, rng.randint(2, 9)))) for _ in range(3)]
+        rows.append({"prompt": turns[0], "turns": turns, "source": "dialogue"} if i % 2 else
+                    {"prompt": turns[0], "source": "single"})
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", rows), max_turns=2)
+    model = tiny_model(params, chat=True)
+    man = generate_data(model, cfg, tmp_path / "d", progress=False)
+    assert man["sources"] == ["dialogue", "single"]
+    got, _ = docs_by_prompt(tmp_path / "d")
+    assert sorted(got) == list(range(8))
+    single_cfg = dict(cfg, prompts=write_prompts(tmp_path / "q.jsonl", [dict(r, turns=[r["prompt"]]) for r in rows]))
+    generate_data(model, single_cfg, tmp_path / "t1", progress=False)
+    turn1, _ = docs_by_prompt(tmp_path / "t1")
+    tok = model.tokenizer
+    for i, r in enumerate(prompt_stream(cfg)):
+        doc, first = got[i], turn1[i]
+        if len(r["turns"]) == 1:
+            assert np.array_equal(doc["tokens"], first["tokens"])
+            continue
+        assert len(r["turns"]) == 2  # max_turns
+        p1 = tok.encode_chat([{"role": "user", "content": r["turns"][0]}])
+        toks = doc["tokens"].tolist()
+        # turn 1's prompt, then its answer (the turn-1 document's answer, up to its stop token)
+        a1 = first["tokens"][len(p1):].tolist()
+        assert toks[: len(p1) + len(a1)] == p1 + a1
+        seq = [tok.END, tok.ROLE["user"], *tok.encode(r["turns"][1]), tok.END, tok.ROLE["assistant"]]
+        end1 = len(p1) + len(a1)  # turn 1's answer ends here or one token later (the dropped last token)
+        q = next(k for k in (end1 - 1, end1, end1 + 1) if toks[k: k + len(seq)] == seq)  # turn 2 starts
+        want = np.zeros(len(toks), bool)
+        want[len(p1): q + 1] = True  # answer 1 and the end token the template writes after it
+        want[q + len(seq):] = True
+        assert np.array_equal(doc["answer"], want), i
