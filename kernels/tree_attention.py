@@ -125,7 +125,8 @@ def _reference_block(qg, k, v, start, lens, m, l, acc):
 
 def _reference_cache_part(qg, cache_k, cache_v, lens, m, l, acc, block_s):
     """The cache's share of the softmax: one block when the cache is small, else a loop over the
-    blocks up to the longest row (a traced trip count: no work past the filled length)."""
+    blocks up to the longest row (a traced trip count: no work past the filled length). Measured on
+    this CPU, this beat one ``lax.switch`` over static prefixes (which copies the strided slices)."""
     b, kh, s, d = cache_k.shape
     bs = block_s if (s > block_s and s % block_s == 0) else s
     if bs == s:

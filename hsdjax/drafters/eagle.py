@@ -47,7 +47,7 @@ class EagleDrafter(FeatureDrafter):
         next_tokens = jnp.pad(gen.seq, ((0, 0), (0, 1)))[:, 1: p_len + 1]
         x = self._inputs(dparams, states, next_tokens)
         ctx, last = ingest(self._net(), dparams["net"], init_context(self.cfg, b, s), x, gen.prompt_len,
-                           self.attention)
+                           self.attention, empty=True)
         return EagleState(ctx=ctx, root_out=last)
 
     def propose(self, dparams, state: EagleState, gen):

@@ -196,16 +196,19 @@ def init_context(cfg: FeatureConfig, batch: int, size: int) -> dict[str, Array]:
 
 
 def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
-           count: Int[Array, " B"], attention: str = "auto") -> tuple[dict[str, Array], Float[Array, "B E"]]:
+           count: Int[Array, " B"], attention: str = "auto", empty: bool = False
+           ) -> tuple[dict[str, Array], Float[Array, "B E"]]:
     """Run the drafter layer over ``count`` new verified inputs per row (positions ``ctx["len"]`` ...),
     append their keys/values to the context cache, and return the output at the last one (the
-    prediction for the next position). Rows with ``count`` 0 are unchanged (their output is junk)."""
+    prediction for the next position). Rows with ``count`` 0 are unchanged (their output is junk).
+    ``empty``: the cache is known to be empty (the prompt's ingest), so attention skips it."""
     b, t, _ = x.shape
     start = ctx["len"]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q, k, v = net.apply({"params": params}, x, positions, method=FeatureDrafterNet.project)
     causal = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))
-    attn = attention_fn(attention)(q, ctx["k"], ctx["v"], start, k, v, causal)
+    cache_k, cache_v = (None, None) if empty else (ctx["k"], ctx["v"])
+    attn = attention_fn(attention)(q, cache_k, cache_v, start, k, v, causal)
     out = net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
     keep = (jnp.arange(t)[None, :] < count[:, None])[:, None, :, None]  # [B, 1, T, 1]
 

@@ -51,7 +51,8 @@ class HSDDrafter(FeatureDrafter):
         c = self.cfg
         states = jnp.moveaxis(prompt_fwd["layers"], 0, 2)  # [B, P, F, E]
         x = self._net().apply({"params": dparams["net"]}, states, method=FeatureDrafterNet.fuse_states)
-        ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len, self.attention)
+        ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len, self.attention,
+                           empty=True)
         size = self.depth + 1
         return HSDState(
             ctx=ctx, chain=jnp.zeros((b, size, c.hidden), jnp.float32).at[:, 0].set(first),
