@@ -6,20 +6,30 @@ HSDJAX := $(VENV)/bin/hsdjax
 DEFAULT_MODEL := smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow setup model bench-ar clean
+.PHONY: demo test test-slow setup model model-runtime bench-ar clean
 
-$(VENV)/.installed: pyproject.toml
+# The runtime alone (what `make demo` needs: no torch, transformers or llama.cpp).
+$(VENV)/.runtime: pyproject.toml
+	@echo "== installing hsdjax and its runtime dependencies into $(VENV) (a first run takes a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# Test and peer extras on top (torch, transformers, llama.cpp built from source: ~4 min the first time).
+$(VENV)/.installed: $(VENV)/.runtime
 	$(PY) -m pip install -q -e '.[test,llamacpp]'
 	touch $@
 
 setup: $(VENV)/.installed
 
+model-runtime: $(VENV)/.runtime
+	$(HSDJAX) models pull $(DEFAULT_MODEL)
+
 model: setup
 	$(HSDJAX) models pull $(DEFAULT_MODEL)
 
-demo: model
+demo: model-runtime
 	$(HSDJAX) demo
 
 test: model
