@@ -1,6 +1,8 @@
-"""The Python API: load a model, then ``Generator.generate`` / ``Generator.stream`` over a batch of prompts.
+"""The Python API: ``load_model`` (optionally sharded over a mesh), then ``Generator.generate`` (one
+prompt or a batch) / ``Generator.stream`` with one method (``ar``, ``pld``, ``sps``, ``hsd``, ``eagle``).
 
-Underneath are the jitted functions of ``hsdjax.engine`` (and, per method, the speculative engine),
+Underneath are the jitted functions of ``hsdjax.engine`` (``prefill``, ``start_decoding``, ``decode``:
+one loop for every method, the method's drafter from ``hsdjax.drafters.make_drafter`` plugged in),
 which take params, caches and draft state as explicit pytrees, so they can also be called from a
 user's own jitted code. This module only prepares inputs (tokenize, chat template, bucketing), keeps
 the compiled programs per shape, and turns outputs back into text and statistics.
@@ -9,6 +11,7 @@ the compiled programs per shape, and turns outputs back into text and statistics
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -34,9 +37,10 @@ _compilation_cache_on = False
 
 
 def enable_compilation_cache() -> None:
-    """Turn on JAX's persistent compilation cache in ``cache_dir("jax")`` (once per process)."""
+    """Turn on JAX's persistent compilation cache in ``cache_dir("jax")`` (once per process);
+    ``HSDJAX_COMPILATION_CACHE=0`` leaves it off."""
     global _compilation_cache_on
-    if _compilation_cache_on:
+    if _compilation_cache_on or os.environ.get("HSDJAX_COMPILATION_CACHE", "1") == "0":
         return
     jax.config.update("jax_compilation_cache_dir", str(cache_dir("jax")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,4 +1,5 @@
-"""The ``hsdjax`` command line: generate, chat, models, demo.
+"""The ``hsdjax`` command line: generate, chat, models (list / pull / info), demo, bench, tune,
+train-drafter, serve.
 
 Every user mistake (unknown model, empty prompt, bad numbers, a prompt beyond the context) ends with
 one line on stderr and exit status 2, never a traceback.

@@ -7,12 +7,15 @@ import os
 import jax
 import pytest
 
-from hsdjax.api import enable_compilation_cache
 from hsdjax.config import ModelConfig
 from hsdjax.model import init_params
 
 jax.config.update("jax_enable_x64", False)
-enable_compilation_cache()
+# No persistent compilation cache in the pytest process. With an empty cache (as in CI) this process
+# writes hundreds of executables, and with torch loaded beside jaxlib XLA's executable serialization
+# crashed it twice (a segfault in `put_executable_and_time`, an abort once), at different tests and
+# never when those tests ran alone. Subprocesses started by tests (CLI, server) keep their cache.
+jax.config.update("jax_enable_compilation_cache", False)
 
 TINY_LLAMA = ModelConfig(family="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=3,
                          num_heads=6, num_kv_heads=2, head_dim=8, rope_theta=10000.0, max_context=512)

@@ -14,7 +14,7 @@ from hsdjax.drafters.feature import FeatureConfig
 from hsdjax.errors import HsdjaxError
 from hsdjax.model import init_params
 from hsdjax.train.datagen import RecordingDrafter, flatten_recorded, fused_layer_indices
-from hsdjax.train.train import draft_vocab, train
+from hsdjax.train.train import WindowData, document_span, draft_vocab, train
 from tests.conftest import TINY_LLAMA, run_engine
 
 CFG = TINY_LLAMA
@@ -93,3 +93,19 @@ def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
         load_drafter(path, other, method)
     with pytest.raises(HsdjaxError, match="not hsd|not eagle"):
         load_drafter(path, target, "eagle" if method == "hsd" else "hsd")
+
+
+def test_window_data_views_the_stream_without_copying():
+    """Train and held-out documents are slices of the flat stream: the big state array is shared, not copied."""
+    doc = np.repeat(np.arange(6, dtype=np.int32), [3, 1, 4, 2, 5, 2])
+    n = len(doc)
+    data = {"doc": doc, "tokens": np.arange(n, dtype=np.int32), "answer": np.ones(n, bool),
+            "states": np.random.default_rng(0).normal(size=(n, 2, 4)).astype(np.float32),
+            "top_logits": np.zeros((n, 2), np.float32), "top_ids": np.zeros((n, 2), np.int32)}
+    assert document_span(doc, np.arange(2, 5)) == slice(4, 15)
+    with pytest.raises(ValueError):
+        document_span(doc, np.array([1, 3]))
+    held = WindowData(data, np.arange(4, dtype=np.int32), 4, 0.3, np.arange(4, 6))
+    assert np.shares_memory(held.states, data["states"])
+    np.testing.assert_array_equal(held.tokens, np.arange(10, 17))
+    np.testing.assert_array_equal(held.doc, doc[10:])

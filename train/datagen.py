@@ -592,26 +592,37 @@ def flatten_recorded(state: Any, prompt_lens: list[int]) -> dict[str, np.ndarray
 
 
 def load_shards(folder: Path, limit_tokens: int | None = None) -> dict[str, np.ndarray]:
-    """All shards of a data folder as one flat stream; ``states`` as bfloat16 [N, F, E]."""
+    """All shards of a data folder as one flat stream; ``states`` as bfloat16 [N, F, E].
+
+    Each array is allocated once at its final size and filled shard by shard (2M tokens of SmolLM2
+    states are ~9 GB: a concatenation would need twice that)."""
     man_path = folder / "manifest.json"
     if not man_path.exists():
         raise HsdjaxError(f"no drafter data in {folder} (run `hsdjax train-drafter CONFIG --stage data` first)")
     man = json.loads(man_path.read_text())
-    parts: dict[str, list[np.ndarray]] = {}
-    doc_offset, total = 0, 0
+    shards, total = [], 0
     for shard in man["shards"]:
+        if limit_tokens and total >= limit_tokens:
+            break
+        shards.append(shard)
+        total += int(shard["tokens"])
+    if not shards:
+        raise HsdjaxError(f"drafter data in {folder} has no shards yet")
+    data: dict[str, np.ndarray] = {}
+    at, doc_offset = 0, 0
+    for shard in shards:
         with np.load(folder / shard["file"]) as z:
             arrays = {k: z[k] for k in z.files}
+        n = arrays["tokens"].shape[0]
+        if n != int(shard["tokens"]):
+            raise HsdjaxError(f"{folder / shard['file']}: {n} tokens, the manifest says {shard['tokens']}")
         arrays["doc"] = arrays["doc"] + doc_offset
         doc_offset = int(arrays["doc"].max()) + 1
         for k, v in arrays.items():
-            parts.setdefault(k, []).append(v)
-        total += arrays["tokens"].shape[0]
-        if limit_tokens and total >= limit_tokens:
-            break
-    if not parts:
-        raise HsdjaxError(f"drafter data in {folder} has no shards yet")
-    data = {k: np.concatenate(v) for k, v in parts.items()}
+            if k not in data:
+                data[k] = np.empty((total, *v.shape[1:]), v.dtype)
+            data[k][at: at + n] = v
+        at += n
     data["states"] = data["states"].view(ml_dtypes.bfloat16)
     data["manifest"] = man
     return data

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Shaped
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, init_net
 from hsdjax.errors import HsdjaxError
@@ -141,12 +141,20 @@ def chain_acceptance(metrics: dict[str, Array], rollout: int) -> Array:
     return 1 + jnp.sum(acc * valid) / jnp.maximum(jnp.sum(valid), 1)
 
 
+def document_span(doc: Int[np.ndarray, " N"], docs: Int[np.ndarray, " D"]) -> slice:
+    """The positions of documents ``docs`` (consecutive ids) in the flat stream, whose ids never decrease."""
+    lo, hi = int(docs.min()), int(docs.max())
+    if hi - lo + 1 != len(np.unique(docs)):
+        raise ValueError("documents must be a consecutive range of ids")
+    return slice(int(np.searchsorted(doc, lo, "left")), int(np.searchsorted(doc, hi, "right")))
+
+
 class WindowData:
     """Windows of the flat stream, as batches of numpy arrays."""
 
     def __init__(self, data: dict[str, np.ndarray], vocab_map: np.ndarray, window: int, prompt_weight: float,
                  docs: np.ndarray):
-        keep = np.isin(data["doc"], docs)
+        keep = document_span(data["doc"], docs)  # a slice: the big arrays are views, not copies
         self.tokens = data["tokens"][keep]
         self.doc = data["doc"][keep]
         self.weight = np.where(data["answer"][keep], 1.0, prompt_weight).astype(np.float32)
