@@ -17,8 +17,17 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 # Test and peer extras on top (torch, transformers, llama.cpp built from source: ~4 min the first time).
+# llama.cpp is built for AVX2/FMA/F16C, not -march=native: its native build enables ggml's AMX kernels on
+# CPUs that report AMX, and those segfaulted in the first matmul on this machine kind. The wheel is kept
+# in its own folder (pip's wheel cache would hand back a native build made earlier) and found there.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+LLAMA_WHEELS := $(HOME)/.cache/hsdjax-build/llama-cpp-avx2
 $(VENV)/.installed: $(VENV)/.runtime
-	$(PY) -m pip install -q -e '.[test,llamacpp]'
+	@ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { \
+	  echo "== building llama.cpp (the peer in hsdjax bench) for AVX2, once: a few minutes"; \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel -q --no-cache-dir --no-deps -w $(LLAMA_WHEELS) \
+	    "$$($(PY) -c "import tomllib; print([d for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['llamacpp'] if d.startswith('llama-cpp-python')][0].split('#')[0].strip())")"; }
+	$(PY) -m pip install -q --find-links $(LLAMA_WHEELS) -e '.[test,llamacpp]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -350,6 +350,9 @@ def _drafter_stats_of(drafter_name: str, st: Any, i: int, passes: int) -> dict[s
     out: dict[str, Any] = {"drafter_passes": int(st.draft_passes[i]), "drafter_states": states,
                            "accepted_drafts": accepted,
                            "draft_utilisation": round(accepted / states, 4) if states else None}
+    macs = float(st.drafter_macs[i])
+    out["drafter_macs"] = macs
+    out["accepted_per_gmac"] = round(accepted / (macs / 1e9), 3) if macs else None
     if drafter_name == "hsd":
         out["chain_steps"] = states
         out["reused_states"] = int(st.reused_states[i])

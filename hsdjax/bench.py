@@ -97,6 +97,7 @@ class Turn:
     draft_steps: int = 0
     drafter_states: int = 0
     accepted_drafts: int = 0
+    drafter_macs: float = 0.0
 
 
 class LocalMethod:
@@ -116,7 +117,8 @@ class LocalMethod:
     def turn(self, messages: list[dict[str, str]], max_new: int, temperature: float, seed: int) -> Turn:
         r = self.gen.generate(messages, max_new_tokens=max_new, temperature=temperature, seed=seed)[0]
         return Turn(r.text, r.tokens, r.seconds, r.stats["accept_lengths"], r.stats["target_passes"],
-                    r.stats["draft_steps"], r.stats.get("drafter_states", 0), r.stats.get("accepted_drafts", 0))
+                    r.stats["draft_steps"], r.stats.get("drafter_states", 0), r.stats.get("accepted_drafts", 0),
+                    r.stats.get("drafter_macs", 0.0))
 
 
 class PeerMethod:
@@ -199,7 +201,8 @@ def raw_record(q: Question, turns: list[Turn]) -> dict[str, Any]:
             "wall_time": [t.wall_time for t in turns], "accept_lengths": [t.accept_lengths for t in turns],
             "target_passes": [t.target_passes for t in turns], "draft_steps": [t.draft_steps for t in turns],
             "drafter_states": [t.drafter_states for t in turns],
-            "accepted_drafts": [t.accepted_drafts for t in turns]}
+            "accepted_drafts": [t.accepted_drafts for t in turns],
+            "drafter_macs": [t.drafter_macs for t in turns]}
 
 
 def finalize_answers(path: Path) -> None:
@@ -242,6 +245,9 @@ def summarize(raw: dict[str, list[dict[str, Any]]], external: set[str], greedy: 
                 states = sum(sum(r.get("drafter_states", [0])) for r in rs)
                 accepted = sum(sum(r["accepted_drafts"]) for r in rs)
                 row["draft_utilisation"] = accepted / states if states else None
+                macs = sum(sum(r.get("drafter_macs", [0.0])) for r in rs)
+                row["drafter_mmacs_per_token"] = macs / 1e6 / tokens if tokens and macs else None
+                row["drafter_mmacs_per_accepted"] = macs / 1e6 / accepted if accepted and macs else None
             if greedy and bs:
                 row["identical_to_ar"] = all(r["tokens"] == base[r["question_id"]]["tokens"] for r in rs
                                          if r["question_id"] in base)
@@ -292,8 +298,9 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(m['by_category']['overall'].get('identical_to_ar'))} |")
     lines += ["", "Per category:", ""]
     header = ("| method | category | questions | tokens/s | speed-up vs ar | mean accepted length | "
-              "target passes / token | drafter passes (chain steps) / token | draft utilisation | identical to ar |")
-    lines += [header, "|" + " --- |" * 10]
+              "target passes / token | drafter passes (chain steps) / token | draft utilisation | "
+              "drafter M multiply-adds / accepted draft | identical to ar |")
+    lines += [header, "|" + " --- |" * 11]
     for cat in cats:
         for method, m in summary.items():
             row = m["by_category"].get(cat)
@@ -304,7 +311,8 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
                          f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['mean_accepted_length'])} | "
                          f"{_fmt(row.get('target_passes_per_token'), '.3f')} | "
                          f"{_fmt(row.get('draft_steps_per_token'), '.3f')} | "
-                         f"{_fmt(row.get('draft_utilisation'), '.3f')} | {_fmt(row.get('identical_to_ar'))} |")
+                         f"{_fmt(row.get('draft_utilisation'), '.3f')} | "
+                         f"{_fmt(row.get('drafter_mmacs_per_accepted'), '.2f')} | {_fmt(row.get('identical_to_ar'))} |")
     for note in meta.get("notes", []):
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Bool, Int, UInt
+from jaxtyping import Array, Bool, Float, Int, UInt
 
 from hsdjax.config import ModelConfig
 from hsdjax.errors import HsdjaxError
@@ -155,6 +155,7 @@ class RoundStats:
     draft_passes: Int[Array, " B"]  # drafter forward passes (its layer stack called once)
     drafter_states: Int[Array, " B"]  # drafter states computed that can carry a draft (DraftCost.states)
     reused_states: Int[Array, " B"]  # states a tree used that were computed in an earlier round
+    drafter_macs: Float[Array, " B"]  # drafter multiply-adds (DraftCost.macs + Drafter.observe_macs)
     accepted_drafts: Int[Array, " B"]  # drafted tokens accepted (each used exactly one drafter state)
     tree_nodes: Int[Array, " B"]  # valid tree nodes verified, root included
     verified_nodes: Int[Array, " B"]  # size of the target passes run (the tier, padding included)
@@ -164,7 +165,7 @@ class RoundStats:
     @classmethod
     def zeros(cls, batch: int, max_depth: int, max_rounds: int) -> "RoundStats":
         z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, z, z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
+        return cls(z, z, z, z, jnp.zeros((batch,), jnp.float32), z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
                    jnp.zeros((batch, max_rounds), jnp.int8))
 
 
@@ -285,6 +286,7 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
         draft_passes=st.draft_passes + cost.passes * on,
         drafter_states=st.drafter_states + cost.states * on,
         reused_states=st.reused_states + cost.reused * on,
+        drafter_macs=st.drafter_macs + jnp.where(active, cost.macs + drafter.observe_macs(gen, verdict.n_path), 0.0),
         accepted_drafts=st.accepted_drafts + (verdict.n_path - 1) * on,
         tree_nodes=st.tree_nodes + jnp.sum(tree.valid, axis=1) * on,
         verified_nodes=st.verified_nodes + pass_size * on,

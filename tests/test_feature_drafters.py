@@ -154,3 +154,56 @@ def test_shipped_drafters_load_for_the_default_model(smollm, method):
     assert drafter.name == method and drafter.cfg.method == method
     assert len(jax.tree_util.tree_leaves(dparams["net"])) >= 12  # every weight came back, nested as trained
     assert dparams["head"].shape == (drafter.cfg.vocab, smollm.cfg.hidden_size)
+
+
+def test_drafter_macs_count_what_xla_computes():
+    """The multiply-add model behind ``drafter_macs`` (one layer over T tokens attending to L keys, the
+    head, ``g``) agrees with XLA's own flop count of the same computation (elementwise work aside)."""
+    from hsdjax.drafters.base import layer_macs
+    from hsdjax.drafters.feature import FeatureDrafterNet
+
+    fc = FeatureConfig(method="hsd", hidden=128, heads=4, kv_heads=2, head_dim=32, mlp=256, vocab=512)
+    net = FeatureDrafterNet(fc)
+    p = init_net(fc, 0)
+    t, keys = 4, 96
+
+    def layer(p, x, ctx_k, ctx_v):
+        q, k, v = net.apply({"params": p}, x, jnp.zeros(x.shape[:2], jnp.int32), method=FeatureDrafterNet.project)
+        q = q.reshape(1, t, fc.kv_heads, fc.heads // fc.kv_heads, fc.head_dim)
+        s = jax.nn.softmax(jnp.einsum("btkgd,bskd->btkgs", q, ctx_k), axis=-1)  # (also keeps XLA from reassociating)
+        attn = jnp.einsum("btkgs,bskd->btkgd", s, ctx_v).reshape(1, t, fc.heads, fc.head_dim)
+        return net.apply({"params": p}, x, attn, method=FeatureDrafterNet.finish), k, v  # k, v: cached
+
+    def out_piece(p, x, embs, head):
+        g = net.apply({"params": p}, x, embs, method=FeatureDrafterNet.inject)
+        return net.apply({"params": p}, g, head, method=FeatureDrafterNet.logits)
+
+    def flops(fn, *args):
+        return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+    x = jnp.ones((1, t, fc.hidden))
+    kv = jnp.ones((1, keys, fc.kv_heads, fc.head_dim))
+    want = 2 * t * layer_macs(fc.hidden, fc.heads, fc.kv_heads, fc.head_dim, fc.mlp, keys)
+    assert 0.97 * want <= flops(layer, p, x, kv, kv) <= 1.1 * want
+    drafter = HSDDrafter(cfg=fc, layers=(0, 1, 2))
+    inject = (1 + fc.inject_tokens) * fc.hidden ** 2 + fc.hidden ** 2
+    want = 2 * t * (inject + drafter._head_macs())
+    got = flops(out_piece, p, x, jnp.ones((1, t, fc.inject_tokens, fc.hidden)), jnp.ones((fc.vocab, fc.hidden)))
+    assert 0.97 * want <= got <= 1.1 * want
+
+
+def test_drafter_macs_accumulate_per_method(target):
+    """``drafter_macs`` is zero without a drafter network, and `eagle`'s per-node passes cost more
+    multiply-adds per round than `hsd`'s chain of the same tree shape."""
+    cfg, params = target
+    prompts = prompts_of(2, cfg.vocab_size, 2)
+    per_round = {}
+    for method in ("hsd", "eagle"):
+        drafter, dparams = feature_drafter(cfg, params, method, depth=4, width=3, budget=6)
+        _, state = run_engine(cfg, params, prompts, 20, drafter=drafter, dparams=dparams, return_state=True)
+        s = jax.tree_util.tree_map(np.asarray, state.stats)
+        assert np.all(s.drafter_macs > 0)
+        per_round[method] = s.drafter_macs / s.target_passes
+    assert np.all(per_round["eagle"] > per_round["hsd"])
+    _, state = run_engine(cfg, params, prompts, 5, return_state=True)
+    assert np.all(np.asarray(state.stats.drafter_macs) == 0)

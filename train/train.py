@@ -324,6 +324,8 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     bar = tqdm(total=total, initial=step, unit="step", desc=f"train {cfg.method}", disable=not progress)
     last_save = time.monotonic()
     t0 = time.perf_counter()
+    tokens_per_step = opts["batch"] * opts["window"]
+    lap_t, lap_step = t0, step  # throughput since the last evaluation (compilation included in the first)
     while step < total:
         epoch = step // steps_per_epoch
         order = np.random.default_rng(opts["seed"] + epoch).permutation(len(train_set))
@@ -336,12 +338,16 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
         step += 1
         bar.update(1)
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(m['acc1']):.3f}")
+            rate = (step - lap_step) * tokens_per_step / max(time.perf_counter() - lap_t, 1e-9)
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(m['acc1']):.3f}", tok_s=f"{rate:.0f}")
         end_of_epoch = step % steps_per_epoch == 0 or step == total
         if end_of_epoch:
+            now = time.perf_counter()
+            rate = (step - lap_step) * tokens_per_step / max(now - lap_t, 1e-9)
             ev = evaluate()
             history.append({"step": step, "epoch": step / steps_per_epoch, "train_loss": round(float(loss), 4),
-                            "seconds": round(time.perf_counter() - t0, 1), **ev})
+                            "seconds": round(now - t0, 1), "train_tokens_per_s": round(rate, 1), **ev})
+            lap_t, lap_step = time.perf_counter(), step
             log(f"step {step}: held-out {ev}")
         if end_of_epoch or time.monotonic() - last_save > opts["save_every_s"]:
             save(step)

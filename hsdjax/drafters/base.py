@@ -23,7 +23,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from hsdjax.tree import DraftTree, root_only
 
@@ -34,17 +34,28 @@ class DraftCost:
     stack over any number of inputs), including the ingest that follows verification; ``states``:
     drafter states computed that can carry a draft (for ``eagle`` every tree node its layer processed,
     for ``hsd`` every chain state, for ``sps`` every drafted token); ``reused``: states used by this
-    round's tree that were computed in an earlier round."""
+    round's tree that were computed in an earlier round; ``macs``: the multiply-adds of the drafting
+    work in ``propose`` (weights and attention; the ingest after verification is
+    ``Drafter.observe_macs``), one unit of work for every method alike."""
 
     passes: Int[Array, " B"]
     states: Int[Array, " B"]
     reused: Int[Array, " B"]
+    macs: Float[Array, " B"]
 
     @classmethod
-    def of(cls, passes: Int[Array, " B"], states: Int[Array, " B"] | None = None) -> "DraftCost":
+    def of(cls, passes: Int[Array, " B"], states: Int[Array, " B"] | None = None,
+           macs: Float[Array, " B"] | None = None) -> "DraftCost":
         passes = passes.astype(jnp.int32)
         return cls(passes=passes, states=passes if states is None else states.astype(jnp.int32),
-                   reused=jnp.zeros_like(passes))
+                   reused=jnp.zeros_like(passes),
+                   macs=jnp.zeros(passes.shape, jnp.float32) if macs is None else macs.astype(jnp.float32))
+
+
+def layer_macs(hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int, keys: Any) -> Any:
+    """Multiply-adds of one token through a pre-norm decoder layer attending to ``keys`` keys."""
+    projections = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * mlp
+    return projections + 2 * heads * head_dim * keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +97,10 @@ class Drafter(abc.ABC):
         path's nodes (root first): ``hidden`` [B, P, E] (final-normed) and, for drafters with
         ``prompt_layers``, ``layers`` [F, B, P, E] (those states, in that order)."""
         return state
+
+    def observe_macs(self, gen_before: Any, n_path: Int[Array, " B"]) -> Float[Array, " B"]:
+        """Multiply-adds ``observe`` spends on a verified path of ``n_path`` tokens (0 by default)."""
+        return jnp.zeros(n_path.shape, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,7 +84,11 @@ class EagleDrafter(FeatureDrafter):
         tree, _, _ = grow_tree(root, first, children, carry, dparams["vocab_ids"], depth, k, self.budget,
                                self.min_prob)
         n = jnp.full((b,), depth, jnp.int32)  # D-1 frontier passes + the ingest after verification
-        cost = DraftCost(passes=n, states=1 + (depth - 1) * k * jnp.ones((b,), jnp.int32), reused=jnp.zeros_like(n))
+        frontier = (depth - 1) * k  # nodes the layer processes (tree attention over their ancestors too)
+        per_node = 2 * c.hidden * c.hidden + self._layer_macs(gen.seq_len.astype(jnp.float32) + depth)
+        macs = frontier * per_node + (1 + frontier) * self._head_macs()
+        cost = DraftCost(passes=n, states=1 + frontier * jnp.ones((b,), jnp.int32), reused=jnp.zeros_like(n),
+                         macs=macs.astype(jnp.float32))
         return tree, state, cost
 
     def observe(self, dparams, state: EagleState, gen_before, gen_after, verdict, path_states):

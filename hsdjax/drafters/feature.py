@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from hsdjax.drafters.base import Drafter
+from hsdjax.drafters.base import Drafter, layer_macs
 from hsdjax.kernels.tree_attention import REFERENCE_BLOCK_S, attention_fn
 from hsdjax.model import apply_rope, rms_norm, rope_tables
 
@@ -262,3 +262,22 @@ class FeatureDrafter(Drafter):
 
     def _net(self) -> FeatureDrafterNet:
         return FeatureDrafterNet(self.cfg)
+
+    # -- multiply-adds of the pieces (the honest cost counter: DraftCost.macs)
+    def _layer_macs(self, keys: Any) -> Any:
+        c = self.cfg
+        return layer_macs(c.hidden, c.heads, c.kv_heads, c.head_dim, c.mlp, keys)
+
+    def _head_macs(self) -> int:
+        return self.cfg.hidden * self.cfg.vocab
+
+    def _input_macs(self) -> int:
+        """Fusing the target states of one position (``eagle`` also mixes in a token embedding)."""
+        c = self.cfg
+        return c.fused * c.hidden * c.hidden + (2 * c.hidden * c.hidden if c.method == "eagle" else 0)
+
+    def observe_macs(self, gen_before, n_path):
+        """The ingest: each verified token's states fused and passed through the layer."""
+        keys = gen_before.seq_len.astype(jnp.float32)
+        per_token = self._input_macs() + self._layer_macs(keys)
+        return jnp.where(gen_before.done, 0.0, n_path.astype(jnp.float32) * per_token)

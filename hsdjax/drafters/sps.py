@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from hsdjax.config import ModelConfig
-from hsdjax.drafters.base import DraftCost, Drafter
+from hsdjax.drafters.base import DraftCost, Drafter, layer_macs
 from hsdjax.model import KVCache, Transformer, causal_mask, commit, init_cache
 from hsdjax.sampling import select_tokens, target_probs
 from hsdjax.tree import chain
@@ -80,7 +80,15 @@ class DraftLMDrafter(Drafter):
             if d + 1 < self.depth:
                 cache, logits = self._step(dparams, cache, token[:, None], jnp.ones((b,), jnp.int32))
         tree = chain(gen.last_token(), jnp.stack(drafts, axis=1), q_probs=jnp.stack(qs, axis=1))
-        return tree, DraftLMState(cache=cache), DraftCost.of(jnp.full((b,), self.depth, jnp.int32))
+        tokens = catch_up + self.depth - 1  # positions the draft model computed this round
+        macs = tokens * self._token_macs(gen.seq_len.astype(jnp.float32) + self.depth)
+        return tree, DraftLMState(cache=cache), DraftCost.of(jnp.full((b,), self.depth, jnp.int32), macs=macs)
+
+    def _token_macs(self, keys):
+        """One token through the draft model (every layer, then the full-vocabulary head)."""
+        c = self.draft_cfg
+        per_layer = layer_macs(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, keys)
+        return c.num_layers * per_layer + c.hidden_size * c.vocab_size
 
     def observe(self, dparams, state, gen_before, gen_after, verdict, path_states):
         # The draft cache holds the verified prefix and drafts 1..depth-1; keep the accepted ones.
