@@ -26,7 +26,7 @@ from hsdjax.errors import HsdjaxError
 from hsdjax.paths import cache_dir
 from hsdjax.sampling import SamplingParams
 from hsdjax.tokenizer import IncrementalDecoder, Tokenizer
-from hsdjax.model import unstack_layers
+from hsdjax.model import fuse_projections, unstack_layers
 from hsdjax.weights import load_weights
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -93,8 +93,12 @@ def default_layer_loop() -> str:
 
 
 def load_model(name_or_path: str | None = None, *, dtype: str | None = None, layer_loop: str | None = None,
-               progress: bool = False, mesh: Any = None) -> LoadedModel:
+               progress: bool = False, mesh: Any = None, fused_projections: bool = False) -> LoadedModel:
     """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder.
+
+    ``fused_projections``: q/k/v and gate/up as one matmul each (``hsdjax.model.fuse_projections``;
+    unsharded models only). Off by default: on XLA's CPU backend it measured 3.5% faster for a one-token
+    step but 3-5% slower for 2-16-token tree passes (``benchmarks/fused_projections.py``).
 
     ``layer_loop`` is ``scan`` (stacked weights under ``lax.scan``) or ``unrolled`` (per-layer weights);
     default: see ``default_layer_loop``. ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, a
@@ -114,6 +118,11 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     t0 = time.perf_counter()
     as_array = jnp.asarray if mesh is None else np.asarray  # sharded: straight from host to each device
     params = jax.tree_util.tree_map(lambda a: as_array(a, dtype=jnp.dtype(dtype)), np_params)
+    if fused_projections and mesh is not None:
+        raise HsdjaxError("fused_projections needs an unsharded model (a split over heads keeps them apart)")
+    if fused_projections:
+        params = fuse_projections(params)
+        cfg = cfg.replace(fused_projections=True)
     if layer_loop == "unrolled":
         params = unstack_layers(params)
     params = sharding.shard_params(cfg, params, mesh)

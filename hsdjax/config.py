@@ -36,6 +36,9 @@ class ModelConfig:
     # Attention implementation: "auto" (Pallas kernel on GPU/TPU, jnp reference on CPU), "reference"
     # or "pallas" (see hsdjax.kernels.tree_attention.attention_fn).
     attention: str = "auto"
+    # q/k/v as one matmul (``wqkv``) and gate/up as one (``w_gate_up``): fewer, wider matmuls (see
+    # ``hsdjax.model.fuse_projections``); opt-in, unsharded models only (a split over heads needs them apart).
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:

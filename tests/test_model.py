@@ -202,3 +202,26 @@ def test_qwen_coder_05b_matches_transformers():
         model, load_transformers_reference(model),
         "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
         "Write a haiku about recursion.", tolerance=5e-3)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_fused_projections_equal_separate(tiny, scan):
+    """q/k/v and gate/up fused into one matmul each (what load_model does unsharded) give the same
+    outputs and cache entries as the separate weights, stacked or unrolled, with and without qkv bias."""
+    from hsdjax.model import fuse_projections, unstack_layers
+
+    cfg, params = tiny
+    if not scan:
+        params = unstack_layers(params)
+    cfg = cfg.replace(scan_layers=scan)
+    fused_cfg = cfg.replace(fused_projections=True)
+    fused = fuse_projections(params)
+    layer = fused["layers"] if scan else fused["blocks_0"]
+    assert "wqkv" in layer and "wq" not in layer and ("bqkv" in layer) == cfg.qkv_bias
+    tokens = jnp.array(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 7)))
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    mask = causal_mask(jnp.array([7, 5]), 7)
+    want = Transformer(cfg).apply({"params": params}, tokens, pos, mask)
+    got = Transformer(fused_cfg).apply({"params": fused}, tokens, pos, mask)
+    for key in ("hidden", "k", "v"):
+        np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=2e-5, atol=2e-5)
