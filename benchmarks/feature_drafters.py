@@ -50,6 +50,19 @@ def per_depth(hist: list[int]) -> list[float]:
     return out
 
 
+def by_set(rs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Accepted length and decode speed vs ``ar`` (ratio of summed times) per dev set (turns apart)."""
+    out = {}
+    for name in dict.fromkeys(r["set"] for r in rs):
+        pairs = [(r, b) for r, b in zip(rs, base) if r["set"] == name]
+        toks = sum(len(r["tokens"]) - 1 for r, _ in pairs)
+        passes = sum(r["target_passes"] for r, _ in pairs)
+        speed = toks / max(sum(r["decode_s"] for r, _ in pairs), 1e-9)
+        base_speed = sum(len(b["tokens"]) - 1 for _, b in pairs) / max(sum(b["decode_s"] for _, b in pairs), 1e-9)
+        out[name] = {"accepted_length": toks / max(passes, 1), "speedup": speed / base_speed}
+    return out
+
+
 def main() -> int:
     from hsdjax.api import enable_compilation_cache, load_model
     from hsdjax.tune import interpolate, pass_cost
@@ -115,6 +128,9 @@ def main() -> int:
             "drafter_states_per_token": states / max(toks, 1),
             "utilisation": (accepted / states) if states else None,
             "reused_states": sum(r.get("reused_states", 0) for r in rs),
+            "drafter_mmacs_per_accepted": (sum(r.get("drafter_macs", 0.0) for r in rs) / 1e6 / accepted
+                                           if accepted else None),
+            "by_set": by_set(rs, base),
             "identical": sum(r["tokens"] == b["tokens"] for r, b in zip(rs, base)), "questions": len(rs),
             "round_ms": round_s * 1e3, "verify_pass_ms": verify_s * 1e3,
             "drafter_ms": max(round_s - verify_s, 0.0) * 1e3, "ar_pass_ms": costs[1] * 1e3,
@@ -129,7 +145,11 @@ def main() -> int:
               f"{s['drafter_ms']:>7.1f} {s['identical']:>3}/{s['questions']}")
     for name, s in summary.items():
         if name != "ar":
-            print(f"{name}: acceptance per depth {s['per_depth']}")
+            macs = s["drafter_mmacs_per_accepted"]
+            print(f"{name}: acceptance per depth {s['per_depth']}; drafter M multiply-adds per accepted draft "
+                  f"{macs:.2f}" if macs else f"{name}: acceptance per depth {s['per_depth']}")
+            print("    by set (accepted length / decode speed vs ar): " + ", ".join(
+                f"{k} {v['accepted_length']:.2f} / {v['speedup']:.2f}x" for k, v in s["by_set"].items()))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     return 0

@@ -72,6 +72,8 @@ def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
     more = train(fc, data, frozen_np, vocab_ids, dict(opts, max_steps=40), tmp_path / "ckpt", progress=False,
                  log=logs.append)
     assert any("resumed from step 30" in m for m in logs) and more["steps"] == 40, logs
+    with pytest.raises(HsdjaxError, match="other data or settings.*window 32 -> 16"):  # never a silent mix
+        train(fc, data, frozen_np, vocab_ids, dict(opts, window=16), tmp_path / "ckpt", progress=False)
 
     target = types.SimpleNamespace(name="tiny", fingerprint="f" * 64, params=params, cfg=CFG)
     path = save_drafter(tmp_path / "d.safetensors", fc, more["params"], vocab_ids, layers[:-1], target, {"x": 1})

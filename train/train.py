@@ -295,6 +295,8 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     manager = ocp.CheckpointManager(ckpt_dir.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
     step, history = 0, []
+    check_same_run(ckpt_dir, {"train_windows": len(train_set),
+                              **{k: opts[k] for k in ("window", "batch", "rollout", "lr", "seed")}})
     if manager.latest_step() is not None:
         restored = restore_checkpoint(manager, manager.latest_step(),
                                       {"params": params, "opt_state": opt_state, "step": 0})
@@ -357,6 +359,21 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
         history.append({"step": step, **evaluate()})
     return {"params": params, "history": history, "steps": step, "train_windows": len(train_set),
             "eval_windows": len(eval_set)}
+
+
+def check_same_run(ckpt_dir: Path, run: dict[str, Any]) -> None:
+    """Record what a run trains on; refuse to resume a run whose data or schedule has changed since
+    (more data or other settings would silently continue an old schedule)."""
+    path = ckpt_dir / "run.json"
+    if path.exists():
+        before = json.loads(path.read_text())
+        changed = {k: (before.get(k), v) for k, v in run.items() if before.get(k) != v}
+        if changed:
+            what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            raise HsdjaxError(f"{ckpt_dir} holds a training run with other data or settings ({what}); move it "
+                              "away to keep it, or give the config another name, then run again")
+    elif jax.process_index() == 0:
+        path.write_text(json.dumps(run, indent=1))
 
 
 def check_data(data: dict[str, np.ndarray], need_layers: int) -> None:
