@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import jax
 import pytest
 
+from hsdjax.api import enable_compilation_cache
 from hsdjax.config import ModelConfig
 from hsdjax.model import init_params
 
 jax.config.update("jax_enable_x64", False)
-# No persistent compilation cache in the pytest process. With an empty cache (as in CI) this process
-# writes hundreds of executables, and with torch loaded beside jaxlib XLA's executable serialization
-# crashed it twice (a segfault in `put_executable_and_time`, an abort once), at different tests and
-# never when those tests ran alone. Subprocesses started by tests (CLI, server) keep their cache.
-jax.config.update("jax_enable_compilation_cache", False)
+enable_compilation_cache()
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Drop every compiled program after each test.
+
+    Each program XLA's CPU backend compiles stays mapped into the process (a tiny model's `hsd` decode
+    loop: ~1,700 memory maps) and the suite compiles hundreds: about halfway through, the process hit
+    Linux's default limit of 65,530 maps (``vm.max_map_count``) and died inside XLA, compiling or
+    writing the compilation cache, at whatever test came next (one module with its hypothesis examples
+    alone passed 23,000). Programs needed again are reloaded from the persistent compilation cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
 
 TINY_LLAMA = ModelConfig(family="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=3,
                          num_heads=6, num_kv_heads=2, head_dim=8, rope_theta=10000.0, max_context=512)
