@@ -271,6 +271,13 @@ class FeatureDrafter(Drafter):
     def _head_macs(self) -> int:
         return self.cfg.hidden * self.cfg.vocab
 
+    def _inject_macs(self) -> int:
+        """``g`` for one node (``hsd``)."""
+        c = self.cfg
+        if c.injection == "mlp":
+            return (1 + c.inject_tokens) * c.hidden * c.hidden + c.hidden * c.hidden
+        return 2 * c.inject_tokens * c.hidden * c.hidden
+
     def _input_macs(self) -> int:
         """Fusing the target states of one position (``eagle`` also mixes in a token embedding)."""
         c = self.cfg

@@ -120,12 +120,9 @@ class HSDDrafter(FeatureDrafter):
         used_depths = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain states the tree used
         reused = jnp.sum((jnp.arange(self.depth)[None, :] < used_depths[:, None]) & (st.fresh[:, : self.depth] == 0),
                          axis=1)
-        c = self.cfg
-        inject = ((1 + c.inject_tokens) * c.hidden * c.hidden + c.hidden * c.hidden if c.injection == "mlp"
-                  else 2 * c.inject_tokens * c.hidden * c.hidden)
         heads = 1 + (self.depth - 1) * self.width  # g + head for the root and each depth's frontier
         macs = (steps * self._layer_macs(gen.seq_len.astype(jnp.float32) + self.depth)
-                + heads * (inject + self._head_macs()))
+                + heads * (self._inject_macs() + self._head_macs()))
         # +1 pass: the ingest after verification
         cost = DraftCost(passes=steps + 1, states=steps + 1, reused=reused, macs=macs.astype(jnp.float32))
         return tree, st.replace(fresh=jnp.zeros_like(st.fresh)), cost
