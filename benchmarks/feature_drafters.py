@@ -63,6 +63,30 @@ def by_set(rs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, di
     return out
 
 
+def vocab_coverage(folder: Path, base: list[dict[str, Any]], sizes: tuple[int, ...], vocab_size: int
+                   ) -> dict[int, dict[str, float]]:
+    """Per dev set: the share of ``ar``'s greedy tokens inside a draft vocabulary of each size, built as
+    training builds it (the target's most frequent top-1 tokens over the drafter data in ``folder``)."""
+    import numpy as np
+
+    from hsdjax.train.train import draft_vocab
+
+    man = json.loads((folder / "manifest.json").read_text())
+    top1 = []
+    for shard in man["shards"]:
+        with np.load(folder / shard["file"]) as z:
+            top1.append(z["top_ids"][:, :1])
+    top = np.concatenate(top1)
+    out = {}
+    for size in sizes:
+        vocab = draft_vocab(top, size, vocab_size)
+        out[size] = {}
+        for name in dict.fromkeys(r["set"] for r in base):
+            toks = np.concatenate([np.asarray(r["tokens"]) for r in base if r["set"] == name])
+            out[size][name] = float(np.isin(toks, vocab).mean())
+    return out
+
+
 def main() -> int:
     from hsdjax.api import enable_compilation_cache, load_model
     from hsdjax.tune import interpolate, pass_cost
@@ -79,6 +103,8 @@ def main() -> int:
     p.add_argument("--hsd-drafter", default=None)
     p.add_argument("--eagle-drafter", default=None)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--coverage-data", default=None, help="drafter data folder: report how much of ar's output "
+                   "draft vocabularies of 4,096 and 8,192 tokens built from it cover, per dev set")
     args = p.parse_args()
     enable_compilation_cache()
     model = load_model(args.model)
@@ -150,8 +176,15 @@ def main() -> int:
                   f"{macs:.2f}" if macs else f"{name}: acceptance per depth {s['per_depth']}")
             print("    by set (accepted length / decode speed vs ar): " + ", ".join(
                 f"{k} {v['accepted_length']:.2f} / {v['speedup']:.2f}x" for k, v in s["by_set"].items()))
+    coverage = None
+    if args.coverage_data:
+        coverage = vocab_coverage(Path(args.coverage_data), base, (4096, 8192), model.cfg.vocab_size)
+        for size, per_set in coverage.items():
+            print(f"draft vocabulary {size}: covers " + ", ".join(f"{k} {v:.3f}" for k, v in per_set.items())
+                  + " of ar's tokens")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"summary": summary, "rows": rows, "coverage": coverage},
+                                                  indent=1))
     return 0
 
 

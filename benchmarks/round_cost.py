@@ -223,7 +223,8 @@ def make_target(args: argparse.Namespace) -> Target:
 
 def feature_drafter(target: Target, method: str, seed: int = 0) -> tuple[Any, Any]:
     """The shipped ``hsd`` / ``eagle`` drafter (real weights), or one of its shape with random params."""
-    from hsdjax.drafters import DEFAULTS, make_drafter
+    from hsdjax.methods import DEFAULTS, make_drafter
+    from hsdjax.methods import feature_drafter as build_feature_drafter
 
     if not target.random:
         return make_drafter(method, target.model)
@@ -247,20 +248,11 @@ def feature_drafter(target: Target, method: str, seed: int = 0) -> tuple[Any, An
     net = init_net(fc, seed)
     net = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), net)  # as load_drafter gives them
     dparams = bind(net, np.arange(fc.vocab, dtype=np.int32), target.params, mc)
-    opts = dict(DEFAULTS[method])
-    opts["budget"] = min(opts["budget"], opts["depth"] * opts["width"])
-    if method == "hsd":
-        from hsdjax.drafters.hsd import HSDDrafter
-
-        return HSDDrafter(cfg=fc, layers=layers, **opts), dparams
-    from hsdjax.drafters.eagle import EagleDrafter
-
-    opts.pop("policy", None)
-    return EagleDrafter(cfg=fc, layers=layers, **opts), dparams
+    return build_feature_drafter(method, fc, layers, **DEFAULTS[method]), dparams
 
 
 def pld_drafter(target: Target) -> tuple[Any, Any]:
-    from hsdjax.drafters import DEFAULTS, make_drafter
+    from hsdjax.methods import DEFAULTS, make_drafter
 
     if not target.random:
         return make_drafter("pld", target.model)

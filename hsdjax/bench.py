@@ -19,6 +19,7 @@ machine drift hits every method alike. A killed run continues where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -27,8 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from hsdjax.api import Generator, load_model
 from hsdjax.errors import HsdjaxError
 from hsdjax.jsonl import read_objects
+from hsdjax.methods import FEATURE_METHODS, METHODS, draft_model_of, has_shipped_drafter, options_for
+from hsdjax.peers import PEERS, peer_available, start_peers
 
 
 @dataclass(frozen=True)
@@ -190,8 +194,6 @@ def answer_record(q: Question, model_id: str, turns: list[Turn]) -> dict[str, An
 
 def question_key(q: Question) -> str:
     """A short hash of a question's turns: a resumed run must be answering the same questions."""
-    import hashlib
-
     return hashlib.sha256(json.dumps(q.turns).encode()).hexdigest()[:16]
 
 
@@ -374,10 +376,6 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
     """Run (or resume) a benchmark; returns the report dict (also written to OUT/report.json).
 
     ``mesh`` (see ``hsdjax.sharding.make_mesh``) shards the target; None: one device."""
-    from hsdjax.api import load_model
-    from hsdjax.drafters import METHODS
-    from hsdjax.peers import PEERS
-
     unknown = [m for m in methods if m not in METHODS and m not in PEERS]
     if unknown:
         raise HsdjaxError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}, "
@@ -423,23 +421,9 @@ def _check_settings(out: Path, settings: dict[str, Any]) -> None:
     path.write_text(json.dumps(merged, indent=1))  # methods added by a later run join the record
 
 
-METHOD_OPTIONS = {"ar": (), "pld": ("depth", "width"), "sps": ("depth", "draft_model"),
-                  "hsd": ("depth", "width", "budget", "policy", "drafter", "min_prob"),
-                  "eagle": ("depth", "width", "budget", "drafter", "min_prob")}
-
-
-def options_for(method: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The bench-wide options that apply to one method (``--policy`` only reaches hsd, and so on)."""
-    return {k: v for k, v in options.items() if k in METHOD_OPTIONS[method]}
-
-
 def make_runners(model: Any, methods: list[str], options: dict[str, Any], temperature: float, peer_dtype: str,
                  notes: list[str]) -> tuple[list[Any], list[Any]]:
     """Local methods and peers (over shared worker processes) that can run here; the rest are noted."""
-    from hsdjax.api import Generator
-    from hsdjax.drafters import FEATURE_METHODS, draft_model_of, has_shipped_drafter
-    from hsdjax.peers import PEERS, peer_available, start_peers
-
     draft = draft_model_of(model, options.get("draft_model"))
     runners: list[Any] = []
     peer_names = []

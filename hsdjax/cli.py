@@ -11,10 +11,16 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
+from hsdjax import registry
+from hsdjax.api import Generator, load_model
+from hsdjax.bench import run_bench
 from hsdjax.errors import HsdjaxError
+from hsdjax.methods import FEATURE_METHODS, METHODS, OPTIONS, TREE_METHODS, has_shipped_drafter
 from hsdjax.sharding import add_mesh_args, mesh_from_args
+from hsdjax.tune import FEATURE_BUDGETS, FEATURE_DEPTHS, tune
 
 DEMO_PROMPT = ("Here is a Python function:\n\ndef mean(values):\n    total = 0\n    for v in values:\n"
                "        total += v\n    return total / len(values)\n\n"
@@ -62,22 +68,23 @@ def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
     return parse
 
 
+_probability = _float_in(0.0, 1.0, hi_open=True)
+_OPTION_TYPES = {"size": _positive_int, "prob": _probability, "text": None}  # by ``hsdjax.methods.Option.kind``
+_OPTION = {o.name: o for o in OPTIONS}
+
+
+def _add_method_args(p: argparse.ArgumentParser, texts: dict[str, str] | None = None) -> None:
+    """One flag per method option of the registry (``hsdjax.methods.OPTIONS``); ``texts`` replaces some help."""
+    for o in OPTIONS:
+        p.add_argument(o.flag, type=_OPTION_TYPES[o.kind], default=None, help=(texts or {}).get(o.name, o.help))
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="registered model name (see `hsdjax models`), a .gguf file, or a HF folder "
                         "(default: smollm2-135m)")
-    p.add_argument("--method", default="ar", help="decoding method: ar, pld, sps, hsd, eagle (default: ar)")
-    p.add_argument("--drafter", default=None,
-                   help="hsd/eagle: a drafter checkpoint (default: the one shipped for --model)")
-    p.add_argument("--budget", type=_positive_int, default=None,
-                   help="hsd/eagle: tree nodes verified per round besides the root")
-    p.add_argument("--policy", default=None, help="hsd: chain refresh policy: reuse, refresh, min1, min2, min3")
-    p.add_argument("--min-prob", type=_float_in(0.0, 1.0, hi_open=True), default=None,
-                   help="hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)")
-    p.add_argument("--draft-model", default=None,
-                   help="sps: the draft LM (default: the registry's draft model for --model)")
-    p.add_argument("--depth", type=_positive_int, default=None, help="speculative: draft depth (tokens per guess)")
-    p.add_argument("--width", type=_positive_int, default=None, help="pld: candidate continuations per round")
+    p.add_argument("--method", default="ar", help=f"decoding method: {', '.join(METHODS)} (default: ar)")
+    _add_method_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     add_mesh_args(p)
@@ -137,14 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peer-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="transformers peers' compute dtype (default float32, the same arithmetic as hsdjax on CPU)")
     b.add_argument("--out", required=True, help="output folder")
-    b.add_argument("--draft-model", default=None, help="sps / hf-assisted: the draft LM")
-    b.add_argument("--depth", type=_positive_int, default=None, help="speculative methods: draft depth")
-    b.add_argument("--width", type=_positive_int, default=None, help="pld / hsd / eagle: tree width")
-    b.add_argument("--budget", type=_positive_int, default=None, help="hsd / eagle: nodes verified per round")
-    b.add_argument("--policy", default=None, help="hsd: chain refresh policy")
-    b.add_argument("--drafter", default=None, help="hsd / eagle: a drafter checkpoint (default: the shipped one)")
-    b.add_argument("--min-prob", type=_float_in(0.0, 1.0, hi_open=True), default=None,
-                   help="hsd / eagle: drop draft nodes below this probability")
+    _add_method_args(b, texts={"draft_model": "sps / hf-assisted: the draft LM (default: the registry's draft "
+                                              "model for --model)"})
     add_mesh_args(b)
 
     t = sub.add_parser("tune", help="choose the draft tree size for this device (cost vs acceptance)",
@@ -152,18 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "a few questions; print the tree size with the best expected tokens/s; "
                                    "--write makes it the default for this model, method and device.")
     t.add_argument("--model", default=None)
-    t.add_argument("--method", default="pld", choices=("pld", "sps", "hsd", "eagle"))
+    t.add_argument("--method", default="pld", choices=TREE_METHODS)
     t.add_argument("--questions", action="append", required=True)
     t.add_argument("--limit", type=_positive_int, default=4)
     t.add_argument("--max-new-tokens", type=_positive_int, default=128)
     t.add_argument("--max-depth", type=_positive_int, default=8, help="pld / sps: deepest tree tried")
     t.add_argument("--draft-model", default=None)
-    t.add_argument("--depths", type=_positive_int_list, default=(3, 4, 6), help="hsd / eagle: depths tried")
-    t.add_argument("--budgets", type=_positive_int_list, default=(3, 5, 8, 12),
+    t.add_argument("--depths", type=_positive_int_list, default=FEATURE_DEPTHS, help="hsd / eagle: depths tried")
+    t.add_argument("--budgets", type=_positive_int_list, default=FEATURE_BUDGETS,
                    help="hsd / eagle: verified-node budgets tried")
     t.add_argument("--width", type=_positive_int, default=3, help="hsd / eagle: tree width")
-    t.add_argument("--min-prob", type=_float_in(0.0, 1.0, hi_open=True), default=None,
-                   help="hsd / eagle: drop draft nodes below this probability (the engine verifies a smaller tier)")
+    t.add_argument("--min-prob", type=_probability, default=None, help=_OPTION["min_prob"].help)
     t.add_argument("--write", action="store_true")
 
     tr = sub.add_parser("train-drafter", help="generate self-distillation data and train an hsd/eagle drafter",
@@ -192,8 +192,6 @@ def _log(msg: str) -> None:
 
 
 def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
-    from hsdjax.api import Generator, load_model
-
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, progress=not quiet, mesh=mesh_from_args(args))
     gen = Generator(model, method=args.method, **_method_options(args))
@@ -205,8 +203,8 @@ def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
 
 
 def _method_options(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("draft_model", "depth", "width", "budget", "policy", "drafter", "min_prob")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    """The method options given on the command line."""
+    return {o.name: getattr(args, o.name) for o in OPTIONS if getattr(args, o.name, None) is not None}
 
 
 def _read_prompt(text: str) -> str:
@@ -279,8 +277,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from hsdjax import registry
-
     action = args.models_command or "list"
     if action == "list":
         default = registry.default_model()
@@ -297,8 +293,6 @@ def cmd_models(args: argparse.Namespace) -> int:
         _log(f"{args.name} ready at {path} ({time.perf_counter() - t0:.1f}s)")
         return 0
     if action == "info":
-        from hsdjax.api import load_model
-
         first = load_model(args.name, progress=True)
         t0 = time.perf_counter()
         load_model(args.name)  # timed: the second load reads the converted-weights cache
@@ -316,7 +310,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from hsdjax.train.pipeline import run
+    from hsdjax.train.pipeline import run  # lazy: only this command needs the training code (optax)
 
     # the target is sharded over --mesh for data generation; the drafter trains data-parallel over its data axis
     summary = run(args.config, stage=args.stage, out=args.out, token_budget=args.token_budget,
@@ -328,8 +322,6 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def _demo_methods(model_name: str, asked: str) -> list[str]:
     """The speculative methods to show: the one asked for, else prompt lookup (training-free) and the
     headline `hsd` when a drafter ships for the model."""
-    from hsdjax.drafters import has_shipped_drafter
-
     if asked != "ar":
         return [asked]
     return ["pld"] + (["hsd"] if has_shipped_drafter(model_name, "hsd") else [])
@@ -338,8 +330,6 @@ def _demo_methods(model_name: str, asked: str) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Plain decoding and speculative methods side by side on one chat prompt, with the check that
     the greedy outputs are identical."""
-    from hsdjax.api import Generator, load_model
-
     model = load_model(args.model, dtype=args.dtype, progress=True, mesh=mesh_from_args(args))
     methods = _demo_methods(model.name, args.method)
     _log(f"model {model.name}; prompt: {args.prompt!r}")
@@ -368,15 +358,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from hsdjax.bench import run_bench
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     report = run_bench(args.model, methods, args.questions, args.out, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, limit=args.limit, per_category=args.per_category, seed=args.seed,
                        peer_dtype=args.peer_dtype,
                        method_options=_method_options(args), mesh=mesh_from_args(args))
-    from pathlib import Path
-
     print(Path(args.out, "report.md").read_text())
     for note in report["meta"]["notes"]:
         _log(note)
@@ -384,9 +370,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from hsdjax.drafters import FEATURE_METHODS
-    from hsdjax.tune import tune
-
     feature = args.method in FEATURE_METHODS
     widths = (args.width,) if feature else (1, 2, 3)
     r = tune(args.model, args.method, args.questions, limit=args.limit, max_new_tokens=args.max_new_tokens,
@@ -448,7 +431,7 @@ def _add_serve_parser(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from hsdjax.serve import run
+    from hsdjax.serve import run  # lazy: only this command needs the server (fastapi, uvicorn)
 
     return run(args)
 

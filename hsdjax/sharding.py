@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array
 
 from hsdjax.config import ModelConfig
+from hsdjax.engine import _row_axis
 from hsdjax.errors import HsdjaxError
 
 AXES = ("data", "model")
@@ -224,8 +225,6 @@ def decode_state_shardings(state: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
     The drafter's own caches (e.g. ``sps``'s draft model) have their rows split but their heads
     replicated, like the drafter's params.
     """
-    from hsdjax.engine import _row_axis
-
     def place(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
         names = [getattr(p, "name", None) for p in path]
         shape = np.shape(leaf)

@@ -20,47 +20,31 @@ cost, median over the budgets of one depth, so one noisy run does not decide). S
 are scaled to plain decoding's measured step inside the loop (``ar`` on the same prompts, which also
 gives the measured speed-up printed beside each prediction).
 
-The best setting is printed and, with ``--write``, stored where ``make_drafter`` picks it up for this
-model, method and device when no explicit --depth / --width / --budget is given.
+The best setting is printed and, with ``--write``, stored (``hsdjax.methods.write_tuned``) where
+``make_drafter`` picks it up for this model, method and device when no explicit --depth / --width /
+--budget is given.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from hsdjax.api import Generator, load_model
+from hsdjax.bench import read_questions
 from hsdjax.errors import HsdjaxError
-from hsdjax.paths import cache_dir
+from hsdjax.methods import FEATURE_METHODS, TREE_METHODS, draft_model_of, write_tuned
+from hsdjax.model import Transformer, init_cache
 
 NODE_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
-def tuned_path(fingerprint: str, method: str) -> Path:
-    return cache_dir("tuned") / f"{fingerprint[:16]}-{method}-{jax.default_backend()}.json"
-
-
-def load_tuned(fingerprint: str, method: str) -> dict[str, Any]:
-    path = tuned_path(fingerprint, method)
-    try:
-        data = json.loads(path.read_text())
-        tuned: dict[str, Any] = {k: int(data[k]) for k in ("depth", "width", "budget") if k in data}
-        if data.get("min_prob") is not None:
-            tuned["min_prob"] = float(data["min_prob"])
-        return tuned
-    except (OSError, ValueError, KeyError):
-        return {}
-
-
 def pass_cost(model: Any, nodes: Sequence[int] = NODE_COUNTS, context: int = 256, repeats: int = 5) -> dict[int, float]:
     """Seconds of one verification pass over N tree nodes after ``context`` cached tokens."""
-    from hsdjax.model import Transformer, init_cache
-
     cfg, params = model.cfg, model.params
     cache = init_cache(cfg, 1, 1024).replace(length=jnp.array([context], jnp.int32))
     net = Transformer(cfg)
@@ -98,8 +82,6 @@ def interpolate(costs: dict[int, float], n: int) -> float:
 def measure_acceptance(model: Any, method: str, prompts: Sequence[Any], width: int, max_depth: int,
                        max_new_tokens: int, draft_model: str | None) -> list[float]:
     """P(at least d drafts accepted per pass), d = 1..max_depth, over the prompts."""
-    from hsdjax.api import Generator
-
     opts: dict[str, Any] = {"depth": max_depth}
     if method == "pld":
         opts["width"] = width
@@ -122,8 +104,6 @@ def measure_decoding(model: Any, method: str, prompts: Sequence[Any], max_new_to
                      **options: Any) -> dict[str, float]:
     """Decode the prompts with one method and setting (compiled first, outside the timing): tokens per
     pass, verified nodes per pass, seconds per pass inside the decoding loop, tokens/s."""
-    from hsdjax.api import Generator
-
     gen = Generator(model, method, **options)
     compile_s = gen.generate(prompts[0], max_new_tokens=4)[0].compile_s
     decoded = passes = 0
@@ -177,12 +157,11 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
          draft_model: str | None = None, write: bool = False, depths: Sequence[int] = FEATURE_DEPTHS,
          budgets: Sequence[int] = FEATURE_BUDGETS, min_prob: float | None = None,
          node_counts: Sequence[int] = NODE_COUNTS, progress: bool = True) -> dict[str, Any]:
-    from hsdjax.api import load_model
-    from hsdjax.bench import read_questions
-    from hsdjax.drafters import FEATURE_METHODS, draft_model_of
-
-    if method not in ("pld", "sps", *FEATURE_METHODS):
-        raise HsdjaxError(f"tune supports the tree methods pld, sps, hsd and eagle (got {method!r})")
+    """Measure ``method`` on the model and choose its tree setting (see the module docstring); ``write``
+    stores the best one as this device's default."""
+    if method not in TREE_METHODS:
+        raise HsdjaxError(f"tune supports the tree methods {', '.join(TREE_METHODS[:-1])} and {TREE_METHODS[-1]} "
+                          f"(got {method!r})")
     model = load_model(model_name)
     prompts = [q.turns[0] for f in question_files for q in read_questions(f)[:limit]]
     costs = pass_cost(model, nodes=node_counts)
@@ -213,11 +192,5 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
               "pass_cost_s": costs, "draft_step_s": draft_step or None, "candidates": candidates,
               "best": best, "plain_tokens_per_s": plain["tokens_per_s"], "plain_round_s": plain["round_s"]}
     if write:
-        path = tuned_path(model.fingerprint, method)
-        keys = {"pld": ("depth", "width"), "sps": ("depth",)}.get(method, ("depth", "width", "budget"))
-        setting = {k: best[k] for k in keys}
-        if method in FEATURE_METHODS and min_prob:
-            setting["min_prob"] = min_prob  # the setting was measured with it
-        path.write_text(json.dumps(setting | {"source": "hsdjax tune", "expected": best}, indent=2))
-        result["written"] = str(path)
+        result["written"] = str(write_tuned(model.fingerprint, method, best, min_prob))
     return result

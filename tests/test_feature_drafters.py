@@ -142,7 +142,7 @@ def test_tree_keeps_best_nodes_with_their_ancestors():
 @pytest.mark.parametrize("method", ["hsd", "eagle"])
 def test_shipped_drafters_load_for_the_default_model(smollm, method):
     """The committed checkpoints bind to the installed SmolLM2 (weights fingerprint) and are small."""
-    from hsdjax.drafters import make_drafter
+    from hsdjax.methods import make_drafter
     from hsdjax.drafters.checkpoint import read_meta, shipped_path
 
     path = shipped_path(smollm.name, method)

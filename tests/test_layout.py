@@ -1,7 +1,9 @@
-"""Repository layout: the top-level ``kernels/`` folder must not hijack the ``kernels`` module name."""
+"""Repository layout: the top-level ``kernels/`` folder must not hijack the ``kernels`` module name, and
+hsdjax's modules import each other without a cycle."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +32,75 @@ def test_kernels_reachable_as_hsdjax_kernels():
     import hsdjax.kernels as k
 
     assert callable(k.tree_attention) and callable(k.attention_fn)
+
+
+def _module_names() -> dict[str, Path]:
+    """``hsdjax`` module name -> file, for every ``.py`` under ``hsdjax/`` (a package by its ``__init__``)."""
+    out = {}
+    for path in (ROOT / "hsdjax").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imported(name: str, path: Path, node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
+    """The ``hsdjax`` modules one import statement of module ``name`` loads (``from pkg import mod`` names mod)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in modules}
+    base = node.module or ""
+    if node.level:
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+    found = {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return found & set(modules)
+
+
+def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every ``hsdjax`` module ``name`` imports, function-local ones included, ``if TYPE_CHECKING:`` not."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for block in ast.walk(tree)
+               if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+               for n in ast.walk(block)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+            found |= _imported(name, path, node, modules)
+    return found - {name}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    """hsdjax's modules import each other without a cycle (function-local imports count), so every layer
+    can be read, and imported, on its own terms."""
+    modules = _module_names()
+    graph = {name: _imports_of(name, path, modules) for name, path in modules.items()}
+    assert graph["hsdjax.api"] >= {"hsdjax.methods", "hsdjax.loading"}  # the walk sees real imports
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_names_the_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
+import hsdjax.methods as methods
 import hsdjax.tune as tune_mod
-from hsdjax.drafters import make_drafter
 from hsdjax.errors import HsdjaxError
+from hsdjax.methods import make_drafter
 
 QUESTION = {"question_id": 1, "category": "math",
             "turns": ["Tom has 3 apples and buys 4 more. Then he gives 2 away. How many apples does he have?"]}
@@ -23,7 +24,7 @@ def qfile(tmp_path):
 
 @pytest.fixture()
 def tuned_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(tune_mod, "tuned_path", lambda fingerprint, method: tmp_path / f"{method}.json")
+    monkeypatch.setattr(methods, "tuned_path", lambda fingerprint, method: tmp_path / f"{method}.json")
     return tmp_path
 
 

@@ -19,6 +19,7 @@ from flax import struct
 
 from hsdjax.config import ModelConfig
 from hsdjax.drafters.base import DraftCost, Drafter, layer_macs
+from hsdjax.errors import HsdjaxError
 from hsdjax.model import KVCache, Transformer, causal_mask, commit, init_cache
 from hsdjax.sampling import select_tokens, target_probs
 from hsdjax.tree import chain
@@ -99,8 +100,6 @@ class DraftLMDrafter(Drafter):
 
 def check_draft_compatible(target: Any, draft: Any) -> None:
     """A draft LM must share the target's tokenizer (same vocabulary, same token strings)."""
-    from hsdjax.errors import HsdjaxError
-
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise HsdjaxError(f"draft model {draft.name} has vocabulary {draft.cfg.vocab_size}, target {target.name} "
                           f"has {target.cfg.vocab_size}: sps needs a draft model of the same tokenizer")

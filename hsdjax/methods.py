@@ -1,0 +1,203 @@
+"""The method registry: every decoding method, the options that reach its drafter (with their defaults
+and help text, which the command line, ``bench``, ``tune`` and the server read from here), the tree
+setting ``hsdjax tune --write`` stored for this device, and ``make_drafter``, which builds a method's
+drafter for a loaded target (loading the draft model of ``sps``).
+
+The drafter classes (``hsdjax.drafters``) know nothing of this: they are built from explicit arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+
+from hsdjax.drafters import ARDrafter, DraftLMDrafter, Drafter, EagleDrafter, HSDDrafter, PromptLookupDrafter
+from hsdjax.drafters.checkpoint import load_drafter, shipped_path
+from hsdjax.drafters.hsd import POLICIES
+from hsdjax.drafters.sps import check_draft_compatible
+from hsdjax.errors import HsdjaxError
+from hsdjax.loading import load_model
+from hsdjax.paths import cache_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A method option: a keyword of ``make_drafter`` and a ``--flag`` of the command line."""
+
+    name: str
+    kind: str  # "size": a whole number (tree sizes must lie in [1, 64]); "prob": in [0, 1); "text"
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+OPTIONS = (  # in the order of the command line's --help
+    Option("drafter", "text", "hsd/eagle: a drafter checkpoint (default: the one shipped for --model)"),
+    Option("budget", "size", "hsd/eagle: tree nodes verified per round besides the root"),
+    Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}"),
+    Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)"),
+    Option("draft_model", "text", "sps: the draft LM (default: the registry's draft model for --model)"),
+    Option("depth", "size", "speculative: draft depth (tokens per guess)"),
+    Option("width", "size", "pld: candidate continuations per round; hsd/eagle: tree width"),
+)
+OPTION_NAMES = tuple(o.name for o in OPTIONS)
+TREE_SIZES = ("depth", "width", "budget")  # what `hsdjax tune` chooses
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A decoding method: the options that reach its drafter, and their defaults."""
+
+    name: str
+    options: tuple[str, ...] = ()
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+REGISTRY = {m.name: m for m in (
+    Method("ar"),
+    Method("pld", ("depth", "width"), {"width": 2, "depth": 6}),
+    Method("sps", ("depth", "draft_model"), {"depth": 4}),
+    # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy
+    Method("hsd", ("depth", "width", "budget", "policy", "drafter", "min_prob"),
+           {"depth": 4, "width": 3, "budget": 5, "policy": "min2"}),
+    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob"), {"depth": 4, "width": 3, "budget": 5}),
+)}
+METHODS = tuple(REGISTRY)
+DEFAULTS = {m.name: dict(m.defaults) for m in REGISTRY.values() if m.defaults}
+FEATURE_METHODS = ("hsd", "eagle")  # trained drafters reading the target's hidden states
+TREE_METHODS = tuple(m for m in METHODS if "depth" in REGISTRY[m].options)  # the methods `hsdjax tune` sizes
+
+
+def options_for(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options among ``options`` that reach ``method`` (``policy`` only reaches hsd, and so on)."""
+    return {k: v for k, v in options.items() if k in REGISTRY[method].options}
+
+
+# ------------------------------------------------------------------------------------ tuned settings
+
+
+def tuned_path(fingerprint: str, method: str) -> Path:
+    """Where ``hsdjax tune --write`` keeps a model's setting for a method on this kind of device."""
+    return cache_dir("tuned") / f"{fingerprint[:16]}-{method}-{jax.default_backend()}.json"
+
+
+def load_tuned(fingerprint: str, method: str) -> dict[str, Any]:
+    """The stored tree sizes (and ``min_prob`` when they were measured with one); {} when none."""
+    path = tuned_path(fingerprint, method)
+    try:
+        data = json.loads(path.read_text())
+        tuned: dict[str, Any] = {k: int(data[k]) for k in TREE_SIZES if k in data}
+        if data.get("min_prob") is not None:
+            tuned["min_prob"] = float(data["min_prob"])
+        return tuned
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def write_tuned(fingerprint: str, method: str, best: dict[str, Any], min_prob: float | None = None) -> Path:
+    """Store ``best``'s tree sizes that ``method`` uses (with the ``min_prob`` they were measured with)."""
+    setting = {k: best[k] for k in TREE_SIZES if k in REGISTRY[method].defaults}
+    if method in FEATURE_METHODS and min_prob:
+        setting["min_prob"] = min_prob
+    path = tuned_path(fingerprint, method)
+    path.write_text(json.dumps(setting | {"source": "hsdjax tune", "expected": best}, indent=2))
+    return path
+
+
+# ------------------------------------------------------------------------------------ drafters
+
+
+def draft_model_of(model: Any, explicit: str | None = None) -> str | None:
+    """The draft LM for ``sps`` / assisted generation: the one asked for, else the registry's, else None."""
+    return explicit or (model.source.spec.draft_model if model.source.spec else None)
+
+
+def has_shipped_drafter(model_name: str, method: str) -> bool:
+    """Whether a trained ``hsd`` / ``eagle`` drafter ships for this model."""
+    return shipped_path(model_name, method).is_file()
+
+
+def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]:
+    """The drafter for ``method`` on a loaded target, and its params (a pytree; () when none).
+
+    ``options`` are ``OPTIONS`` keywords (None: not given). Without an explicit tree size the tuned
+    setting applies, else the method's defaults. Options a method does not use are ignored, except
+    ``drafter`` and ``policy`` outside hsd / eagle."""
+    if method not in REGISTRY:
+        raise HsdjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    unknown = [k for k in options if k not in OPTION_NAMES]
+    if unknown:
+        raise TypeError(f"make_drafter() got unknown options {unknown}; known: {', '.join(OPTION_NAMES)}")
+    given = {k: v for k, v in options.items() if v is not None}
+    setting = tree_setting(method, model, given)
+    if method in FEATURE_METHODS:
+        return _feature(method, model, setting, given)
+    if "drafter" in given or "policy" in given:
+        raise HsdjaxError(f"--drafter and --policy apply to hsd and eagle, not {method}")
+    if method == "ar":
+        return ARDrafter(), ()
+    if method == "pld":
+        return PromptLookupDrafter(width=setting["width"], depth=setting["depth"]), ()
+    return _sps(model, setting["depth"], given.get("draft_model"))
+
+
+def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The method's defaults, then the tuned setting when no tree size is given, then the sizes given."""
+    setting = dict(REGISTRY[method].defaults)
+    sizes = {k: given[k] for k in TREE_SIZES if k in given}
+    if not sizes and setting:
+        setting.update(load_tuned(model.fingerprint, method))
+    for key, value in sizes.items():
+        if value < 1 or value > 64:
+            raise HsdjaxError(f"--{key} must be between 1 and 64 (got {value})")
+        setting[key] = value
+    return setting
+
+
+def _sps(model: Any, depth: int, draft_model: str | None) -> tuple[Drafter, Any]:
+    """``sps``: a draft LM of the target's tokenizer, in the target's dtype and layer loop."""
+    name = draft_model_of(model, draft_model)
+    if not name:
+        raise HsdjaxError(f"sps needs a draft model of {model.name}'s tokenizer; pass --draft-model NAME "
+                          "(e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
+    draft = load_model(name, dtype=model.cfg.dtype, layer_loop="scan" if model.cfg.scan_layers else "unrolled")
+    check_draft_compatible(model, draft)
+    return DraftLMDrafter(draft_cfg=draft.cfg, depth=depth), draft.params
+
+
+def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[str, Any]) -> tuple[Drafter, Any]:
+    """``hsd`` / ``eagle``: a trained checkpoint (the shipped one of a known model unless ``drafter``)."""
+    path = given.get("drafter")
+    if path is None:
+        if not has_shipped_drafter(model.name, method):
+            raise HsdjaxError(f"no shipped {method} drafter for {model.name}; train one with "
+                              f"`hsdjax train-drafter CONFIG` and pass --drafter PATH")
+        path = str(shipped_path(model.name, method))
+    cfg, layers, dparams, _ = load_drafter(path, model, method)
+    if "min_prob" in given:
+        if not 0 <= given["min_prob"] < 1:
+            raise HsdjaxError(f"--min-prob must be in [0, 1) (got {given['min_prob']})")
+        setting["min_prob"] = given["min_prob"]
+    if "policy" in given:
+        if method != "hsd":
+            raise HsdjaxError("--policy applies to hsd only")
+        if given["policy"] not in POLICIES:
+            raise HsdjaxError(f"unknown --policy {given['policy']!r}; available: {', '.join(POLICIES)}")
+        setting["policy"] = given["policy"]
+    return feature_drafter(method, cfg, layers, **setting), dparams
+
+
+def feature_drafter(method: str, cfg: Any, layers: tuple[int, ...], **setting: Any) -> Drafter:
+    """An ``hsd`` / ``eagle`` drafter of network config ``cfg`` over the fused target ``layers``, with
+    ``setting`` (depth, width, budget, hsd's policy, min_prob); the budget is capped at depth x width."""
+    setting["budget"] = min(setting["budget"], setting["depth"] * setting["width"])
+    if method == "hsd":
+        return HSDDrafter(cfg=cfg, layers=layers, **setting)
+    setting.pop("policy", None)
+    return EagleDrafter(cfg=cfg, layers=layers, **setting)
