@@ -79,11 +79,12 @@ def _add_method_args(p: argparse.ArgumentParser, texts: dict[str, str] | None = 
         p.add_argument(o.flag, type=_OPTION_TYPES[o.kind], default=None, help=(texts or {}).get(o.name, o.help))
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, default_method: str = "ar") -> None:
     p.add_argument("--model", default=None,
                    help="registered model name (see `hsdjax models`), a .gguf file, or a HF folder "
                         "(default: smollm2-135m)")
-    p.add_argument("--method", default="ar", help=f"decoding method: {', '.join(METHODS)} (default: ar)")
+    p.add_argument("--method", default=default_method,
+                   help=f"decoding method: {', '.join(METHODS)} (default: {default_method})")
     _add_method_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
@@ -411,8 +412,7 @@ def _add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, speculative decoding)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                                    "/metrics (default method: pld). See hsdjax/serve.py for the scheduling policy.")
-    _add_model_args(s)
-    s.set_defaults(method="pld")
+    _add_model_args(s, default_method="pld")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=_int_at_least(0, 65535), default=8000, help="port (default 8000)")
     s.add_argument("--max-batch", type=_int_at_least(1, 64), default=8, help="rows generating at once (default 8)")
@@ -428,6 +428,9 @@ def _add_serve_parser(sub: Any) -> None:
     s.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at start-up")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    from hsdjax.serve import add_arguments as add_serve_arguments  # light: no JAX, no FastAPI
+
+    add_serve_arguments(s)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

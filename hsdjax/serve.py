@@ -3,7 +3,7 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions`` (raw text, no chat template),
 ``POST /v1/chat/completions`` (the model's chat template), both non-streaming and streaming (SSE in
 OpenAI's chunk format, ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a final
-usage chunk), ``GET /health`` (200 once compiled, 503 while loading) and ``GET /metrics``
+usage chunk), ``GET``/``HEAD /health`` (200 once compiled, 503 while loading) and ``GET /metrics``
 (Prometheus text). Responses carry an extra top-level ``hsdjax`` object with the speculative
 statistics of the request (method, mean accepted length, target passes, queue/first-token/total
 seconds); OpenAI clients ignore it. Errors use the OpenAI error body with a 4xx/5xx status.
@@ -48,19 +48,88 @@ Scheduling policy (``hsdjax.serving.scheduler``):
   key depends only on the row's own position, so a seeded sampled request is reproducible under the same
   conditions; its draws are always exact samples of the target distribution, but whether a round
   speculated (which depends on the load, see above) changes which individual tokens are drawn.
+
+Hardening (``add_arguments``; details in docs/serving.md):
+
+- ``--api-key`` (or ``HSDJAX_API_KEY``): every endpoint but ``/health`` wants ``Authorization: Bearer
+  KEY`` (401 otherwise; ``/metrics`` included). Listening beyond loopback without a key logs a warning.
+- ``--allowed-hosts``: Host headers accepted (400 otherwise, against DNS rebinding). Default: localhost,
+  127.0.0.1, ::1 and ``--host``; any Host when ``--host`` is a wildcard address (0.0.0.0, ::).
+- ``--max-body-bytes`` (1 MiB): larger bodies get 413 before they are read (Content-Length) or as soon
+  as the count passes the limit (chunked). ``--body-timeout-s`` (30 s): a client that stops sending
+  mid-body gets 408. uvicorn has no timeout for a client that never finishes its headers: put a
+  reverse proxy in front of a server exposed to untrusted networks.
+- Every numeric parameter is range-checked (400 naming it) before generation starts; prompts are
+  templated and tokenized in a worker thread, so a long one does not stall other requests.
+- Shutdown (SIGTERM, SIGINT): stop accepting connections, let running requests finish for
+  ``--shutdown-grace-s`` (10 s), then end the rest with an error (streams: an error event, then
+  ``data: [DONE]``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import ipaddress
 import logging
+import os
 import sys
 import time
 from typing import Any
 
 from hsdjax.errors import HsdjaxError
+from hsdjax.serving import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
 log = logging.getLogger("hsdjax.serve")
+SHUTDOWN_GRACE_S = 10.0
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _at_least(kind: type, low: float) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def add_arguments(s: argparse.ArgumentParser) -> None:
+    """The serve options about access, limits and shutdown (the CLI's ``serve`` parser adds them)."""
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $HSDJAX_API_KEY; none when unset)")
+    s.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
+                   help="Host header names accepted, '*' for any (default: localhost, 127.0.0.1, ::1 and "
+                        "--host; any when --host is 0.0.0.0 or ::)")
+    s.add_argument("--max-body-bytes", type=_at_least(int, 1024), default=MAX_BODY_BYTES,
+                   help=f"largest request body; larger ones get 413 (default {MAX_BODY_BYTES})")
+    s.add_argument("--body-timeout-s", type=_at_least(float, 0.1), default=BODY_TIMEOUT_S,
+                   help=f"408 for a client that stops sending its body this long (default {BODY_TIMEOUT_S:g})")
+    s.add_argument("--shutdown-grace-s", type=_at_least(float, 0.0), default=SHUTDOWN_GRACE_S,
+                   help="on SIGTERM/SIGINT, let running requests finish this long, then end them with an "
+                        f"error (default {SHUTDOWN_GRACE_S:g})")
+
+
+def allowed_hosts_setting(host: str, value: str | None) -> list[str] | None:
+    """``--allowed-hosts``: the Host header names accepted, None for any."""
+    if value is None:
+        return None if host in ("0.0.0.0", "::", "") else [*LOOPBACK_NAMES, host]
+    names = [h.strip() for h in value.split(",") if h.strip()]
+    return None if "*" in names else names
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def spec_max_active_setting(value: int | str | None) -> int | None:
@@ -87,9 +156,9 @@ def spec_max_active_setting(value: int | str | None) -> int | None:
 def build(model_name: str | None = None, method: str = "pld", *, dtype: str | None = None,
           max_batch: int = 8, max_queue: int = 64, max_context: int = 2048, rounds: int = 4,
           spec_max_active: int | str | None = "auto", method_options: dict[str, Any] | None = None,
-          warmup: bool = True, mesh: Any = None) -> tuple[Any, Any]:
+          warmup: bool = True, mesh: Any = None, **app_options: Any) -> tuple[Any, Any]:
     """Load the model (sharded over ``mesh`` when given), create the scheduler (not started) and the
-    FastAPI app."""
+    FastAPI app (``app_options``: ``create_app``'s keyword arguments)."""
     from hsdjax.api import load_model
     from hsdjax.serving.app import create_app
     from hsdjax.serving.metrics import Metrics
@@ -104,35 +173,64 @@ def build(model_name: str | None = None, method: str = "pld", *, dtype: str | No
     sched = Scheduler(model, method, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
                       rounds=rounds, spec_max_active=spec_max_active, method_options=method_options,
                       metrics=Metrics(), warmup=warmup)
-    return create_app(sched, model.name), sched
+    return create_app(sched, model.name, **app_options), sched
+
+
+def make_server(app: Any, sched: Any, *, host: str, port: int, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+                **config: Any) -> Any:
+    """A uvicorn server for ``app`` that drains on shutdown: it stops accepting connections, lets
+    running requests finish for ``shutdown_grace_s``, then closes the scheduler, which ends what still
+    runs with an error (a stream: an error event, then ``data: [DONE]``). ``config``: uvicorn.Config's."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            async def end_the_rest() -> None:
+                await asyncio.sleep(shutdown_grace_s)
+                log.warning("ending the requests still running after %gs of shutdown", shutdown_grace_s)
+                await asyncio.to_thread(sched.close, 5)
+
+            deadline = asyncio.create_task(end_the_rest())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
+
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace_s + 5,
+                                         **config))
 
 
 def run(args: argparse.Namespace) -> int:
     """The ``serve`` command: load, start the scheduler (it compiles in the background; /health says
     when it is ready), serve until interrupted."""
     import jax
-    import uvicorn
 
+    from hsdjax.methods import OPTION_NAMES
     from hsdjax.sharding import mesh_from_args
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    api_key = args.api_key or os.environ.get("HSDJAX_API_KEY") or None
+    if api_key is None and not is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who reaches it can use it "
+                    "(set --api-key or HSDJAX_API_KEY)", args.host)
     t0 = time.perf_counter()
-    options = {k: getattr(args, k) for k in ("draft_model", "depth", "width") if getattr(args, k, None) is not None}
+    options = {k: getattr(args, k) for k in OPTION_NAMES if getattr(args, k, None) is not None}
     mesh = mesh_from_args(args)
     if jax.process_count() > 1:  # every process would have to make the scheduler's calls in lockstep
         raise HsdjaxError("serve runs on one host; --distributed / HSDJAX_COORDINATOR are for generate and bench")
     app, sched = build(args.model, args.method, dtype=args.dtype, max_batch=args.max_batch,
                        max_queue=args.max_queue, max_context=args.max_context, rounds=args.rounds,
                        spec_max_active=args.spec_max_active, method_options=options, warmup=not args.no_warmup,
-                       mesh=mesh)
+                       mesh=mesh, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                       allowed_hosts=allowed_hosts_setting(args.host, args.allowed_hosts),
+                       body_timeout_s=args.body_timeout_s)
     log.info("loaded %s in %.1fs; method %s, batch <= %d, queue <= %d, context %d tokens; compiling",
              app.title and sched.model.name, time.perf_counter() - t0, sched.method, sched.max_batch,
              sched.max_queue, sched.context_limit)
     sched.start()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=3)
-    server = uvicorn.Server(config)
+    server = make_server(app, sched, host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace_s,
+                         log_level=args.log_level, access_log=args.access_log)
     try:
         server.run()
     finally:

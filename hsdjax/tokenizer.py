@@ -31,7 +31,9 @@ import logging
 import mmap
 import numbers
 import os
+import re
 import struct
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -579,7 +581,7 @@ class Tokenizer:
 
         ``add_special_tokens`` adds BOS (and EOS) only where the model asks for them (``add_bos``/``add_eos``).
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = _encode_texts(self._backend, [text])[0]
         if add_special_tokens:
             if self.add_bos and self._bos_id is not None:
                 ids.insert(0, self._bos_id)
@@ -649,8 +651,69 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:
-        """Token ids of the rendered conversation (the template writes any BOS itself, none is added)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+        """Token ids of the rendered conversation (the template writes any BOS itself, none is added).
+
+        Special tokens come from the template only: special-token text inside the messages or the
+        template variables (a user typing ``<|im_end|>``) is encoded as plain text. Without such text
+        the ids are exactly ``encode(apply_chat_template(...))``.
+        """
+        if not self._special_ids:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+        # Hide special-token text in the input behind markers while the template renders, split the
+        # result at the (template's) special tokens, then put the text back and encode it as plain text.
+        specials = self._special_split
+        nonce = uuid.uuid4().hex
+        tokens = sorted(self._special_to_id)
+        marker = {t: f"\ue000{nonce}:{i}\ue001" for i, t in enumerate(tokens)}
+        unmark = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+
+        def hide(text: str) -> str:
+            return specials.sub(lambda m: marker[m[0]], text)
+
+        text = self.apply_chat_template(_map_strings(messages, hide), add_generation_prompt,
+                                        **_map_strings(kwargs, hide))
+        pieces = specials.split(text)  # text, special, text, special, ..., text
+        texts = [unmark.sub(lambda m: tokens[int(m[1])], p) for p in pieces[::2]]
+        plain = _encode_texts(self._plain_backend, texts)
+        ids = list(plain[0])
+        for special, after in zip(pieces[1::2], plain[1:]):
+            ids.append(self._special_to_id[special])
+            ids += after
+        return ids
+
+    @functools.cached_property
+    def _special_to_id(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+
+    @functools.cached_property
+    def _special_split(self) -> re.Pattern[str]:
+        """Matches special-token text, longest token first (as the backend matches added tokens)."""
+        tokens = sorted(self._special_to_id, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, tokens)) + ")")
+
+    @functools.cached_property
+    def _plain_backend(self) -> _Backend:
+        """A copy of the backend that encodes special-token text as plain text."""
+        backend = _Backend.from_str(self._backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+
+def _encode_texts(backend: _Backend, texts: list[str]) -> list[list[int]]:
+    """Ids of each text, no BOS/EOS added. ``encode_batch`` releases the GIL (``encode`` holds it,
+    ~0.6 s per MB of text), so a server thread tokenizing a long prompt does not stall the others."""
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """``value`` with ``fn`` applied to every string in it (dict values, list items; keys kept)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(v, fn) for v in value]
+    return value
 
 
 def _read_json(path: Path) -> dict[str, Any]:

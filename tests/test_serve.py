@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -224,6 +226,8 @@ def test_insert_and_take_rows_keep_each_row_exact(method):
 # ------------------------------------------------------------------------------------------ the API
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    head = httpx.head(f"{server.url}/health", timeout=10)
+    assert head.status_code == 200 and head.content == b""
     health = server.health()
     assert health["status"] == "ok" and health["method"] == "pld" and health["max_batch"] == 8
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -466,3 +470,36 @@ def test_burst_beyond_the_queue(tmp_path_factory, sequential):
         assert health["active"] == 0 and health["waiting"] == 0
     finally:
         srv.stop()
+
+
+# ------------------------------------------------------------------------------------------ shutdown (last)
+def test_sigterm_drains_running_streams(server):
+    """Last: it stops the module's server. After SIGTERM a running stream is not cut: it finishes
+    within the grace period (--shutdown-grace-s, 10 s by default) or ends with an error event; either
+    way with `data: [DONE]`, and the process exits."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a very long story about a dragon."}],
+            "max_tokens": 450, "temperature": 0, "stream": True}
+    events: list[str] = []
+    first = threading.Event()
+
+    def consume() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert first.wait(60)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    thread.join(60)
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])
+    if "error" in last:
+        assert "shutting down" in last["error"]["message"] and time.monotonic() - t0 > 9
+    else:
+        assert last["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(30) is not None

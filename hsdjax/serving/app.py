@@ -2,6 +2,8 @@
 
 Every error leaves as the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``:
 FastAPI's validation handler (422 with its own body) and Starlette's HTTP errors are overridden.
+``RequestGuard`` checks the Host header, the API key and the body's size and pace before the app
+reads anything; tokenizing runs in a worker thread, so a long prompt never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hsdjax.errors import HsdjaxError
+from hsdjax.serving import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from hsdjax.serving.metrics import Metrics
 from hsdjax.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ResponseBuilder,
                                      new_id, usage)
@@ -27,6 +31,7 @@ from hsdjax.serving.scheduler import GenRequest, QueueFull, Scheduler
 log = logging.getLogger("hsdjax.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as the OpenAI completions API; chat defaults to the rest of the context
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers' health checks)
 
 
 class MetricsMiddleware:
@@ -52,6 +57,78 @@ class MetricsMiddleware:
             self.metrics.request(scope.get("path", ""), status["code"])
 
 
+def host_name(host: str) -> str:
+    """The name in a Host header, without the port (``[::1]:8000`` -> ``::1``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+class RequestGuard:
+    """Pure ASGI checks before the app sees a request (streams pass through untouched): the Host
+    header (``allowed_hosts``; None allows any), the API key (``Authorization: Bearer``; not for
+    ``OPEN_PATHS``), the body size (a ``Content-Length`` over ``max_body_bytes`` is refused before a
+    byte of the body is read; a chunked body is counted as it arrives) and the body's pace (a client
+    that stops sending for ``body_timeout_s`` mid-body gets 408). Refusals close the connection."""
+
+    def __init__(self, app: Any, *, metrics: Metrics, api_key: str | None, allowed_hosts: list[str] | None,
+                 max_body_bytes: int, body_timeout_s: float):
+        self.app, self.metrics = app, metrics
+        self.api_key = api_key.encode() if api_key else None
+        self.allowed_hosts = None if allowed_hosts is None else {host_name(h) for h in allowed_hosts}
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"The request body is larger than this server's limit of {self.max_body_bytes} "
+                             "bytes.", code="request_too_large", headers={"Connection": "close"})
+
+    def refusal(self, scope: dict) -> APIError | None:
+        headers = Headers(scope=scope)
+        host = headers.get("host", "")
+        if self.allowed_hosts is not None and host_name(host) not in self.allowed_hosts:
+            return APIError(400, f"Host {host!r} is not allowed by this server (--allowed-hosts).",
+                            code="invalid_host", headers={"Connection": "close"})
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            scheme, _, key = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode("latin-1"), self.api_key):
+                return APIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'.",
+                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return self.too_large()
+        return None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        err = self.refusal(scope)
+        if err is not None:
+            self.metrics.error(err.type)
+            await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
+            return
+        received, done = 0, False
+
+        async def receive_body() -> dict:
+            nonlocal received, done
+            if done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"The client sent no request data for {self.body_timeout_s:g} s.",
+                               code="request_timeout", headers={"Connection": "close"}) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise self.too_large()
+                done = not message.get("more_body", False)
+            return message
+
+        await self.app(scope, receive_body, send)
+
+
 def _common_loc(errors: list[dict[str, Any]]) -> list[str]:
     """Where a validation error is: the first error's field, narrowed to the common prefix of the
     errors on that field (a union reports one error per member, with the member's name appended)."""
@@ -72,13 +149,18 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def create_app(sched: Scheduler, model_name: str) -> FastAPI:
+def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
+               allowed_hosts: list[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+    """The app serving ``sched`` (see ``RequestGuard`` for the keyword arguments)."""
     metrics = sched.metrics
     created = int(time.time())
     fingerprint = f"hsdjax-{sched.method}-{sched.model.fingerprint[:8]}"
     app = FastAPI(title="hsdjax", description="OpenAI-compatible server with lossless speculative decoding",
                   docs_url=None, redoc_url=None)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestGuard, metrics=metrics, api_key=api_key, allowed_hosts=allowed_hosts,
+                       max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts the guard's refusals too
     app.state.scheduler = sched
 
     metrics.gauges = lambda: {
@@ -137,7 +219,7 @@ def create_app(sched: Scheduler, model_name: str) -> FastAPI:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     # ------------------------------------------------------------------ plain endpoints
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         snap = sched.snapshot()
         if sched.failure:
@@ -171,7 +253,7 @@ def create_app(sched: Scheduler, model_name: str) -> FastAPI:
         return model_card()
 
     # ------------------------------------------------------------------ generation
-    def prepare(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> GenRequest:
+    async def prepare(body: ChatCompletionRequest | CompletionRequest, chat: bool) -> GenRequest:
         if body.model != model_name:
             raise APIError(404, f"The model '{body.model}' does not exist (this server serves '{model_name}')",
                            param="model", code="model_not_found")
@@ -182,15 +264,11 @@ def create_app(sched: Scheduler, model_name: str) -> FastAPI:
             raise APIError(503, "the model is still loading", type="server_error", code="model_loading",
                            headers={"Retry-After": "5"})
         where = "messages" if chat else "prompt"
-        try:
-            if chat:
-                ids = sched.generator.encode_prompt(body.conversation())
-            else:
-                ids = sched.generator.encode_prompt(body.single_prompt(), chat=False)
+        prompt = body.conversation() if chat else body.single_prompt()
+        try:  # in a worker thread: templating and tokenizing a long prompt must not stall the event loop
+            ids = await asyncio.to_thread(sched.generator.encode_prompt, prompt, chat=chat)
         except HsdjaxError as exc:
             raise APIError(400, str(exc), param=where, code="invalid_value") from None
-        except APIError:
-            raise
         except Exception as exc:  # noqa: BLE001 - e.g. the chat template rejects the conversation
             raise APIError(400, f"could not build the prompt: {type(exc).__name__}: {exc}", param=where,
                            code="invalid_value") from None
@@ -209,8 +287,6 @@ def create_app(sched: Scheduler, model_name: str) -> FastAPI:
                                 "completion). Please reduce the prompt or the completion length.",
                            param=param, code="context_length_exceeded")
         seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-        if not -(2**31) <= seed < 2**31:
-            seed %= 2**31
         return GenRequest(
             id=new_id("req"), prompt_ids=ids, max_new=budget,
             temperature=1.0 if body.temperature is None else float(body.temperature),
@@ -227,7 +303,7 @@ def create_app(sched: Scheduler, model_name: str) -> FastAPI:
                            ) from None
 
     async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Any:
-        req = prepare(body, chat)
+        req = await prepare(body, chat)
         submit(req)
         builder = ResponseBuilder(chat, model_name, fingerprint)
         if body.stream:

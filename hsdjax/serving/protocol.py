@@ -1,28 +1,33 @@
 """The OpenAI wire format: request models (pydantic v2), the error body, and response/chunk builders.
 
 Requests are validated strictly (no string-to-number coercion; a JSON number where a string is due is
-an error). Fields the OpenAI API defines but hsdjax cannot honour losslessly (``n`` > 1, ``logprobs``,
-penalties, ``logit_bias``, tools, ``echo``, ``best_of``, ``suffix``) are rejected with a 400 rather than
-silently ignored; fields unknown to both are ignored, as most OpenAI-compatible servers do.
+an error) and every number is range-checked here (``Field`` bounds; no NaN or infinity), so a bad value
+is a 400 naming the parameter before any generation starts. Fields the OpenAI API defines but hsdjax
+cannot honour losslessly (``n`` > 1, ``logprobs``, penalties, ``logit_bias``, tools, ``echo``,
+``best_of``, ``suffix``) are rejected with a 400 rather than silently ignored; fields unknown to both
+are ignored, as most OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException
 
 MAX_STOP_STRINGS = 4
+INT32_MAX = 2**31 - 1  # the engine's token counts, top_k and seeds are int32
 
 
-class APIError(Exception):
-    """An error answered with the OpenAI error body ``{"error": {message, type, param, code}}``."""
+class APIError(HTTPException):
+    """An error answered with the OpenAI error body ``{"error": {message, type, param, code}}``. It is
+    an ``HTTPException`` so it can be raised anywhere in a request, even while FastAPI reads the body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
+        super().__init__(status, message, headers)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
 
@@ -37,7 +42,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 # ---------------------------------------------------------------------------------------------- requests
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -70,18 +75,19 @@ class ChatMessage(_Strict):
 
 class _SamplingRequest(_Strict):
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # extension (as in vLLM); 0 = off
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX)  # extension (as in vLLM); 0 = off
+    seed: int | None = Field(None, ge=-(2**31), le=INT32_MAX)  # as `hsdjax generate --seed`
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's ranges; check_supported then rejects anything but the default
+    n: int | None = Field(None, ge=1, le=128)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
 
     @field_validator("stop")
@@ -118,9 +124,9 @@ class _SamplingRequest(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -147,9 +153,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=20)
     suffix: str | None = None
 
     def check_supported(self) -> None:

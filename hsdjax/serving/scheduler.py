@@ -2,8 +2,10 @@
 
 See ``hsdjax.serve`` for the policy (batch buckets, rounds per call, when speculation is used).
 HTTP handlers hand requests over with ``submit`` and read events from the request's asyncio queue:
-``("delta", text)``, then ``("done", info)`` or ``("error", APIError)``. Setting ``request.cancelled``
-(client gone) makes the scheduler drop the request and free its row before the next decode call.
+``("delta", text)``, then ``("done", info)`` or ``("error", APIError)`` (the HTTP side counts the error
+in ``hsdjax_errors_total`` when it answers with it, so the scheduler does not). Setting
+``request.cancelled`` (client gone) makes the scheduler drop the request and free its row before the
+next decode call.
 """
 
 from __future__ import annotations
@@ -250,12 +252,12 @@ class Scheduler:
         for r in batch:
             try:
                 new = self._prefill([(r.prompt_ids, r.max_new, r.temperature, r.top_p, r.top_k, r.seed)])
-            except Exception as exc:  # noqa: BLE001 - only this request fails
+            except Exception:  # noqa: BLE001 - only this request fails
                 log.error("prefill failed:\n%s", traceback.format_exc())
                 with self._cond:
                     self._occupied -= 1
-                self.metrics.error("server_error")
-                r.send(("error", APIError(500, f"prefill failed: {exc}", type="server_error")))
+                self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
+                r.send(("error", APIError(500, "the prefill failed; see the server log", type="server_error")))
                 continue
             if self._state is None:
                 rows = jnp.asarray([0] + [-1] * (target - 1), jnp.int32)
@@ -385,11 +387,10 @@ class Scheduler:
         self._small_for = 0
 
     def _fail_all(self, exc: Exception | None) -> None:
-        err = (APIError(500, f"generation failed: {exc}", type="server_error") if exc is not None
+        err = (APIError(500, "generation failed; see the server log", type="server_error") if exc is not None
                else APIError(503, "the server is shutting down", type="server_error"))
         for i, r in enumerate(self._slots):
             if r is not None:
-                self.metrics.error(err.type)
                 self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
                 r.send(("error", err))
         with self._cond:
