@@ -5,8 +5,10 @@
     python benchmarks/methods.py --model qwen2.5-coder-1.5b --methods ar,sps --peers hf-ar,hf-assisted \\
         --questions ../shared/data/eval/humaneval.jsonl --limit 8
 
-Greedy. Every method is compiled before timing; methods (and peers, each in its own subprocess) are
-interleaved question by question, in a rotating order, so machine drift hits all alike. For each method
+Greedy. Every method is compiled before timing; methods (and peers, in worker subprocesses) are
+interleaved question by question, in a rotating order, so machine drift hits all alike (question reading,
+runners, interleaving and arithmetic are ``hsdjax.bench``'s; ``hsdjax bench`` is the resumable harness
+with Spec-Bench answer files, this script adds decode-only figures and ``--turn``). For each method
 it prints Spec-Bench's arithmetic (mean over questions of new tokens / seconds, speed-up = ratio of those
 means against ``ar``), the median of per-question ratios, decode-only figures, the mean accepted length
 (new tokens per target pass), and whether every output is token-identical to ``ar``.
@@ -24,64 +26,41 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ar_vs_transformers import Run, TransformersEngine, progress  # noqa: E402
+from ar_vs_transformers import progress  # noqa: E402
 
 
-
-def read_questions(paths: list[str], limit: int | None) -> list[dict[str, Any]]:
-    out = []
-    for path in paths:
-        lines = Path(path).read_text().splitlines()
-        items = [json.loads(line) for line in lines if line.strip()]
-        out.extend(items[:limit] if limit else items)
-    return out
+def decode_speed(t: Any) -> float | None:
+    """Tokens/s after the first new token (which comes out of the prefill)."""
+    n = len(t.tokens) - 1
+    return n / t.decode_s if n > 0 and t.decode_s > 0 else None
 
 
-def build_prompts(gen: Any, questions: list[dict[str, Any]], turn: int, max_new: int) -> list[list[int]]:
-    """Token ids per question; for turn 2, turn 1 is answered greedily by ``gen`` first."""
-    prompts = []
-    for q in questions:
-        messages = [{"role": "user", "content": q["turns"][0]}]
-        if turn == 2 and len(q["turns"]) > 1:
-            answer = gen.generate(messages, max_new_tokens=max_new)[0].text
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": q["turns"][1]}]
-        prompts.append(gen.encode_prompt(messages))
-    return prompts
+def summarize(runners: list[Any], turns: dict[str, list[Any]]) -> dict[str, Any]:
+    from hsdjax.bench.report import accepted_length, median_ratio, speed, speedup
 
-
-class Method:
-    def __init__(self, gen: Any):
-        self.gen, self.name = gen, gen.method
-        self.passes: list[int] = []
-
-    def run(self, ids: list[int], max_new: int) -> Run:
-        r = self.gen.generate(ids, max_new_tokens=max_new)[0]
-        self.passes.append(r.stats["target_passes"])
-        return Run(r.tokens, r.prefill_s, r.decode_s)
-
-
-def summarize(engines: list[Any], runs: dict[str, list[Run]]) -> dict[str, Any]:
-    base = runs["ar"]
+    base = turns["ar"]
+    base_e2e = [speed(len(t.tokens), t.wall_time) for t in base]
+    base_dec = [d for d in map(decode_speed, base) if d]
     out = {}
-    for e in engines:
-        rs = runs[e.name]
-        e2e = [r.tokens_per_s for r in rs]
-        dec = [r.decode_tokens_per_s for r in rs if r.decode_tokens_per_s]
+    for r in runners:
+        ts = turns[r.name]
+        e2e = [speed(len(t.tokens), t.wall_time) for t in ts]
+        dec = [d for d in map(decode_speed, ts) if d]
         row = {
-            "external": not isinstance(e, Method),
+            "external": r.external,
             "mean_tokens_per_s": statistics.mean(e2e),
             "mean_decode_tokens_per_s": statistics.mean(dec) if dec else None,
-            "speedup_vs_ar": statistics.mean(e2e) / statistics.mean(r.tokens_per_s for r in base),
-            "median_ratio_vs_ar": statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(rs, base)),
-            "identical_to_ar": sum(a.tokens == b.tokens for a, b in zip(rs, base)),
-            "questions": len(rs),
+            "speedup_vs_ar": speedup(e2e, base_e2e),
+            "median_ratio_vs_ar": median_ratio(e2e, base_e2e),
+            "identical_to_ar": sum(a.tokens == b.tokens for a, b in zip(ts, base)),
+            "questions": len(ts),
         }
-        if dec and base[0].decode_tokens_per_s:
-            row["decode_speedup_vs_ar"] = row["mean_decode_tokens_per_s"] / statistics.mean(
-                r.decode_tokens_per_s for r in base if r.decode_tokens_per_s)
-        if isinstance(e, Method):
-            row["mean_accepted_length"] = sum(len(r.tokens) - 1 for r in rs) / max(1, sum(e.passes))
-        out[e.name] = row
+        if dec and decode_speed(base[0]):
+            row["decode_speedup_vs_ar"] = speedup(dec, base_dec)
+        if not r.external:
+            row["mean_accepted_length"] = accepted_length(sum(len(t.tokens) - 1 for t in ts),
+                                                          sum(t.target_passes for t in ts))
+        out[r.name] = row
     return out
 
 
@@ -96,6 +75,20 @@ def print_report(summary: dict[str, Any], header: str) -> None:
         label = name + (" (ext)" if r["external"] else "")
         print(f"{label:<12} {r['mean_tokens_per_s']:>7.1f} {r['speedup_vs_ar']:>7.2f}x {r['median_ratio_vs_ar']:>6.2f}x "
               f"{dec:>12} {decx:>8} {acc:>7} {r['identical_to_ar']:>3}/{r['questions']:<3}")
+
+
+def run_interleaved(runners: list[Any], prompts: list[list[int]], max_new: int) -> dict[str, list[Any]]:
+    """Every runner on every prompt (compiled / loaded first), in a rotating order."""
+    from hsdjax.bench.runners import rotations, warm_up
+
+    warm_up(runners, lambda r: r.turn(prompts[0], max_new))
+    turns: dict[str, list[Any]] = {r.name: [] for r in runners}
+    t0 = time.perf_counter()
+    for i, (ids, order) in enumerate(rotations(prompts, runners)):
+        for r in order:
+            turns[r.name].append(r.turn(ids, max_new))
+        progress(f"question {i + 1}/{len(prompts)} ({time.perf_counter() - t0:.0f}s)")
+    return turns
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,45 +106,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
 
-    from hsdjax.api import Generator, load_model
+    from hsdjax.api import load_model
+    from hsdjax.bench.questions import build_prompts, select_questions
+    from hsdjax.bench.runners import make_runners
     from hsdjax.errors import HsdjaxError
 
+    notes: list[str] = []
     try:
+        questions, _ = select_questions(args.questions, args.limit)
         model = load_model(args.model)
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         if "ar" not in methods:
             methods.insert(0, "ar")
+        peers = [p for p in args.peers.split(",") if p]
         opts = {k: v for k, v in (("draft_model", args.draft_model), ("depth", args.depth), ("width", args.width))
                 if v is not None}
-        engines: list[Any] = [Method(Generator(model, m, **(opts if m != "ar" else {}))) for m in methods]
+        runners, workers = make_runners(model, list(dict.fromkeys([*methods, *peers])), opts, 0.0,
+                                        "float32", notes)
     except HsdjaxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    draft = args.draft_model or (model.source.spec.draft_model if model.source.spec else None)
-    peers = [p for p in args.peers.split(",") if p]
-    for p in peers:
-        engines.append(TransformersEngine(args.model, "float32", 2, model.tokenizer.stop_ids, name=p, peer=p,
-                                          draft=draft))
-    questions = read_questions(args.questions, args.limit)
+    for note in notes:
+        progress(note)
     progress(f"{len(questions)} questions; building prompts (turn {args.turn})")
-    prompts = build_prompts(engines[0].gen, questions, args.turn, args.max_new_tokens)
-    for e in engines:  # compile / load before timing
-        if isinstance(e, TransformersEngine):
-            e.wait_ready()
-        e.run(prompts[0], args.max_new_tokens)
-        if isinstance(e, Method):
-            e.passes.clear()
-    runs: dict[str, list[Run]] = {e.name: [] for e in engines}
-    t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        order = engines[i % len(engines):] + engines[: i % len(engines)]
-        for e in order:
-            runs[e.name].append(e.run(ids, args.max_new_tokens))
-        progress(f"question {i + 1}/{len(prompts)} ({time.perf_counter() - t0:.0f}s)")
-    for e in engines:
-        if isinstance(e, TransformersEngine):
-            e.close()
-    summary = summarize(engines, runs)
+    try:
+        prompts = build_prompts(runners[0].gen, questions, args.turn, args.max_new_tokens)
+        turns = run_interleaved(runners, prompts, args.max_new_tokens)
+    finally:
+        for w in workers:
+            w.close()
+    summary = summarize(runners, turns)
     header = (f"{args.model}, greedy, {args.max_new_tokens} new tokens, {len(prompts)} questions from "
               f"{', '.join(Path(q).name for q in args.questions)} (turn {args.turn}); means over questions")
     print_report(summary, header)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from hsdjax.api import Generator, load_model
-from hsdjax.bench import read_questions
+from hsdjax.bench.questions import read_questions
 from hsdjax.errors import HsdjaxError
 from hsdjax.methods import FEATURE_METHODS, TREE_METHODS, draft_model_of, write_tuned
 from hsdjax.model import Transformer, init_cache

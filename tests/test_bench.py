@@ -125,11 +125,11 @@ def test_renumbering_does_not_depend_on_the_selection(tmp_path):
 
 
 def test_a_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path):
-    from hsdjax.bench import _append_jsonl, _read_jsonl
+    from hsdjax.bench.store import append_jsonl, read_jsonl
 
     path = tmp_path / "raw.jsonl"
-    _append_jsonl(path, {"question_id": 1})
+    append_jsonl(path, {"question_id": 1})
     with path.open("a") as f:
         f.write('{"question_id": 2, "tok')  # killed mid-write
-    _append_jsonl(path, {"question_id": 3})
-    assert [r["question_id"] for r in _read_jsonl(path)] == [1, 3]
+    append_jsonl(path, {"question_id": 3})
+    assert [r["question_id"] for r in read_jsonl(path)] == [1, 3]
