@@ -33,6 +33,27 @@ Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
 
 @dataclasses.dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the distribution it was drawn from (the target's,
+    adjusted by temperature / top-k / top-p; the plain one when greedy) and the most likely tokens
+    there (``top``: (id, log-probability), descending)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(seq: np.ndarray, logprobs: engine.TokenLogprobs, row: int, start: int,
+                   end: int) -> list[TokenLogprob]:
+    """Sequence positions ``start:end`` of row ``row``: its tokens (``seq``) with their recorded
+    ``logprobs`` (both on the host, as numpy arrays)."""
+    ids, lp, top_ids, top = (np.asarray(a)[row, start:end] for a in (seq, logprobs.token, logprobs.top_ids,
+                                                                     logprobs.top))
+    return [TokenLogprob(int(t), float(v), list(zip(i.tolist(), p.tolist())))
+            for t, v, i, p in zip(ids.tolist(), lp.tolist(), top_ids, top)]
+
+
+@dataclasses.dataclass
 class GenerationResult:
     """One row's output and its statistics (seconds exclude compilation)."""
 
@@ -44,6 +65,7 @@ class GenerationResult:
     decode_s: float
     compile_s: float
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when asked for
 
     @property
     def new_tokens(self) -> int:
@@ -143,13 +165,14 @@ class Generator:
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t0
 
-    def _prefill(self, inputs: dict[str, Any], s_bucket: int) -> tuple[engine.DecodeState, float, float]:
+    def _prefill(self, inputs: dict[str, Any], s_bucket: int, top_logprobs: int | None = None
+                 ) -> tuple[engine.DecodeState, float, float]:
         """Prefill plus the drafter's start (both timed as prefill, compilation excluded)."""
         args = (self.model.params, inputs["prompt"], inputs["prompt_len"], inputs["max_new"],
                 inputs["sampling"], inputs["keys"], inputs["stop_ids"])
         program, compile_s = self._program("prefill", engine.prefill, *args, cfg=self.model.cfg,
                                            cache_size=s_bucket, spare=self.drafter.spare,
-                                           keep_layers=self.drafter.prompt_layers)
+                                           keep_layers=self.drafter.prompt_layers, top_logprobs=top_logprobs)
         t0 = time.perf_counter()
         gen, prompt_fwd = program(*args)
         jax.block_until_ready(gen)
@@ -169,14 +192,17 @@ class Generator:
     # ------------------------------------------------------------------ public
     def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 chat: bool = True, system: str | None = None) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (one compiled call per batch); one result per prompt."""
+                 chat: bool = True, system: str | None = None,
+                 top_logprobs: int | None = None) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (one compiled call per batch); one result per prompt.
+        ``top_logprobs`` K: each result's ``logprobs`` holds every new token's log-probability and the
+        K most likely tokens, recorded by the passes that chose them (``engine.TokenLogprobs``)."""
         batch = [prompts] if _is_single(prompts) else list(prompts)
         if not batch:
             raise HsdjaxError("no prompts given")
         rows = [self.encode_prompt(p, chat, system) for p in batch]
         inputs, _, s_bucket = self._batch(rows, max_new_tokens, temperature, top_k, top_p, seed)
-        state, prefill_s, compile_s = self._prefill(inputs, s_bucket)
+        state, prefill_s, compile_s = self._prefill(inputs, s_bucket, top_logprobs)
         program, c2 = self._decode_program(state)
         t0 = time.perf_counter()
         state = program(state, max_new_tokens)
@@ -220,6 +246,7 @@ class Generator:
                  compile_s: float) -> list[GenerationResult]:
         gen, st = state.gen, jax.tree_util.tree_map(sharding.to_host, state.stats)
         seq, start, end = (sharding.to_host(a) for a in (gen.seq, gen.prompt_len, gen.seq_len))
+        logprobs = None if gen.logprobs is None else jax.tree_util.tree_map(sharding.to_host, gen.logprobs)
         stops = set(self.model.tokenizer.stop_ids)
         results = []
         for i, r in enumerate(rows):
@@ -245,6 +272,7 @@ class Generator:
                     **_drafter_stats_of(self.drafter.name, st, i, passes),
                     "accept_lengths": st.round_log[i, :passes].tolist(),
                 },
+                logprobs=None if logprobs is None else token_logprobs(seq, logprobs, i, start[i], end[i]),
             ))
         return results
 

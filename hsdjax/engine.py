@@ -11,6 +11,11 @@ sequence, per-row sampling settings and RNG keys, drafter state, statistics), do
 streaming / cancellation happen between calls of the same compiled program. Shapes are static per
 (batch, prompt bucket, cache bucket, drafter); the number of rounds is a traced argument, so
 changing it never recompiles.
+
+Log-probabilities are an option of the state (``prefill(..., top_logprobs=K)``): the pass that
+verifies a token also records its log-probability and the K most likely tokens (``TokenLogprobs``,
+aligned with ``seq``), so they cost no second forward pass; a state without them (the default)
+compiles a loop that computes none.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt
 from hsdjax.config import ModelConfig
 from hsdjax.errors import HsdjaxError
 from hsdjax.model import KVCache, Transformer, causal_mask, commit, gather_path, init_cache, write_path
-from hsdjax.sampling import SamplingParams, select_tokens
+from hsdjax.sampling import SamplingParams, log_probs, select_tokens, top_k_blocked
 from hsdjax.tree import DraftTree, ancestor_mask, compact
 from hsdjax.tree import positions as tree_positions
 from hsdjax.verify import Verdict, verify_chain_sampled, verify_tree
@@ -34,6 +39,42 @@ from hsdjax.verify import Verdict, verify_chain_sampled, verify_tree
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 CACHE_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 MAX_STOP_IDS = 8
+
+
+@struct.dataclass
+class TokenLogprobs:
+    """Per sequence position (aligned with ``GenState.seq``; valid for generated tokens only): the
+    token's log-probability under the distribution it was drawn from (``sampling.log_probs``: the
+    adjusted target distribution, the plain one for greedy rows) and the K most likely tokens."""
+
+    token: Float[Array, "B S"]
+    top_ids: Int[Array, "B S K"]  # descending log-probability, ties by lower id
+    top: Float[Array, "B S K"]
+
+    @classmethod
+    def zeros(cls, batch: int, size: int, k: int) -> "TokenLogprobs":
+        return cls(jnp.zeros((batch, size), jnp.float32), jnp.zeros((batch, size, k), jnp.int32),
+                   jnp.zeros((batch, size, k), jnp.float32))
+
+    @classmethod
+    def of(cls, logits: Float[Array, "B P V"], tokens: Int[Array, "B P"], sp: SamplingParams,
+           k: int) -> "TokenLogprobs":
+        """The values of ``tokens[b, j]``, drawn from ``logits[b, j]`` (P positions per row)."""
+        b, p, v = logits.shape
+        flat_sp = jax.tree_util.tree_map(lambda a: jnp.repeat(a, p, axis=0), sp)
+        lp = log_probs(logits.reshape(b * p, v), flat_sp)
+        token = jnp.take_along_axis(lp, tokens.reshape(b * p, 1), axis=1)[:, 0]
+        top, ids = top_k_blocked(lp, k) if k else (lp[:, :0], jnp.zeros((b * p, 0), jnp.int32))
+        return cls(token.reshape(b, p), ids.astype(jnp.int32).reshape(b, p, k), top.reshape(b, p, k))
+
+    def write(self, new: "TokenLogprobs", start: Int[Array, " B"], active: Bool[Array, " B"]) -> "TokenLogprobs":
+        """``new``'s P positions written from ``start[b]`` on, in active rows."""
+        def put(old: Array, upd: Array) -> Array:
+            at = lambda row, u, s: jax.lax.dynamic_update_slice(row, u, (s,) + (0,) * (u.ndim - 1))  # noqa: E731
+            out = jax.vmap(at)(old, upd.astype(old.dtype), start)
+            return jnp.where(active.reshape(-1, *([1] * (old.ndim - 1))), out, old)
+
+        return jax.tree_util.tree_map(put, self, new)
 
 
 @struct.dataclass
@@ -49,6 +90,7 @@ class GenState:
     keys: UInt[Array, "B 2"]  # per-row base RNG keys; a step's key is fold_in(key, seq_len)
     sampling: SamplingParams
     stop_ids: Int[Array, " M"]  # padded with -1
+    logprobs: TokenLogprobs | None = None  # recorded only when prefill was asked for them
 
     @property
     def n_out(self) -> Int[Array, " B"]:
@@ -104,7 +146,22 @@ def finished(token: Int[Array, " B"], n_out: Int[Array, " B"], state: GenState, 
     return is_stop(token, state.stop_ids) | (n_out >= state.max_new) | (cache.length + spare >= cache.size)
 
 
-@partial(jax.jit, static_argnames=("cfg", "cache_size", "spare", "keep_layers"))
+def first_token(gen: GenState, logits: Float[Array, "B V"], spare: int) -> GenState:
+    """Each row's first new token, drawn from ``logits`` (its last prompt position) with the row's key
+    at ``prompt_len``, appended after the prompt (with its log-probabilities when the state keeps them)."""
+    first = select_tokens(logits, gen.sampling, step_keys(gen.keys, gen.prompt_len))
+    rows = jnp.arange(first.shape[0])
+    live = gen.max_new > 0  # rows with max_new 0 are padding: they start done
+    logprobs = gen.logprobs
+    if logprobs is not None:
+        new = TokenLogprobs.of(logits[:, None], first[:, None], gen.sampling, logprobs.top_ids.shape[-1])
+        logprobs = logprobs.write(new, gen.prompt_len, live)
+    gen = gen.replace(seq=gen.seq.at[rows, gen.prompt_len].set(first), seq_len=gen.prompt_len + 1, done=~live,
+                      logprobs=logprobs)
+    return gen.replace(done=gen.done | finished(first, gen.n_out, gen, gen.cache, spare))
+
+
+@partial(jax.jit, static_argnames=("cfg", "cache_size", "spare", "keep_layers", "top_logprobs"))
 def prefill(
     params: dict[str, Any],
     prompt: Int[Array, "B P"],
@@ -118,13 +175,15 @@ def prefill(
     cache_size: int,
     spare: int = 1,
     keep_layers: tuple[int, ...] = (),
+    top_logprobs: int | None = None,
 ) -> tuple[GenState, dict[str, Array]]:
     """Run the prompts (right-padded to P), fill the cache, choose each row's first new token.
 
     Rows with ``max_new`` 0 are padding: they start done. ``spare`` is the number of cache slots a
     step may need (1 for plain decoding, the tree size for speculative decoding). Also returns the
     prompt's final hidden states (``hidden`` [B, P, E]) and, for drafters that read them, the states
-    of the ``keep_layers`` (``layers`` [F, B, P, E]).
+    of the ``keep_layers`` (``layers`` [F, B, P, E]). ``top_logprobs`` K (static): the state records
+    every generated token's ``TokenLogprobs`` with the K most likely tokens (None: records nothing).
     """
     model = Transformer(cfg)
     b, p = prompt.shape
@@ -134,17 +193,30 @@ def prefill(
     last = (prompt_len - 1)[:, None]
     hidden_last = jnp.take_along_axis(fwd["hidden"], last[:, :, None], axis=1)[:, 0]
     logits = model.apply({"params": params}, hidden_last, method=Transformer.logits)
-    first = select_tokens(logits, sampling, step_keys(keys, prompt_len))
     seq = jnp.zeros((b, cache_size), jnp.int32).at[:, :p].set(prompt)
-    seq = seq.at[jnp.arange(b), prompt_len].set(first)
-    state = GenState(cache=cache, seq=seq, seq_len=prompt_len + 1, prompt_len=prompt_len, done=max_new <= 0,
-                     max_new=max_new, keys=keys, sampling=sampling, stop_ids=stop_ids)
-    state = state.replace(done=state.done | finished(first, state.n_out, state, cache, spare))
+    logprobs = None if top_logprobs is None else TokenLogprobs.zeros(b, cache_size, top_logprobs)
+    state = GenState(cache=cache, seq=seq, seq_len=prompt_len, prompt_len=prompt_len, done=max_new <= 0,
+                     max_new=max_new, keys=keys, sampling=sampling, stop_ids=stop_ids, logprobs=logprobs)
+    state = first_token(state, logits, spare)
     # Only what drafters use leaves the program (the per-layer states of a long prompt are large).
     out = {"hidden": fwd["hidden"]}
     if keep_layers:
         out["layers"] = fwd["layers"]
     return state, out
+
+
+@partial(jax.jit, static_argnames=("cfg", "spare"))
+def fork_rows(params: dict[str, Any], gen: GenState, prompt_fwd: dict[str, Array], keys: UInt[Array, "N 2"], *,
+              cfg: ModelConfig, spare: int = 1) -> tuple[GenState, dict[str, Array]]:
+    """N generations of one prompt, prefilled once: row i is a copy of row 0 of ``gen`` (and of
+    ``prompt_fwd``) with RNG key ``keys[i]`` and its first token drawn again with that key (from the
+    same logits as ``prefill``'s). Feed the result to ``start_decoding``."""
+    rows = jnp.zeros((keys.shape[0],), jnp.int32)
+    last = gen.prompt_len[0] - 1
+    logits = Transformer(cfg).apply({"params": params}, prompt_fwd["hidden"][:1, last], method=Transformer.logits)
+    fwd = {name: jnp.take(x, rows, axis=1 if name == "layers" else 0) for name, x in prompt_fwd.items()}
+    gen = _gather_rows(gen, rows).replace(keys=keys)
+    return first_token(gen, jnp.repeat(logits, keys.shape[0], axis=0), spare), fwd
 
 
 @struct.dataclass
@@ -209,6 +281,7 @@ class PassResult:
     path_k: Any  # [L, B, P, K, D] keys of the accepted path's nodes
     path_v: Any
     path_states: dict[str, Array]  # ``hidden`` [B, P, E]; ``layers`` [F, B, P, E] (the drafter's layers)
+    logprobs: TokenLogprobs | None  # of ``emitted`` [B, P], when the state records them
 
 
 def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: GenState, tree: DraftTree
@@ -228,8 +301,12 @@ def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: Gen
     states = {"hidden": along(fwd["hidden"])}
     if drafter.prompt_layers:
         states["layers"] = jax.vmap(along)(fwd["layers"])
-    return PassResult(verdict=verdict, emitted=verdict.emitted(tree), path_k=path_k, path_v=path_v,
-                      path_states=states)
+    emitted = verdict.emitted(tree)
+    logprobs = None
+    if gen.logprobs is not None:  # emitted token j was drawn at the path's node j
+        logprobs = TokenLogprobs.of(along(logits), emitted, gen.sampling, gen.logprobs.top_ids.shape[-1])
+    return PassResult(verdict=verdict, emitted=emitted, path_k=path_k, path_v=path_v, path_states=states,
+                      logprobs=logprobs)
 
 
 def verify_sizes(drafter: Any) -> tuple[int, ...]:
@@ -278,6 +355,8 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
     emitted, path_states = out.emitted, out.path_states
     active = ~gen.done
     new_gen, n_emitted = append_tokens(gen, cache, emitted, verdict.n_path, drafter.spare)
+    if out.logprobs is not None:
+        new_gen = new_gen.replace(logprobs=gen.logprobs.write(out.logprobs, gen.seq_len, active))
     draft = drafter.observe(dparams, draft, gen, new_gen, verdict, path_states)
     on = active.astype(jnp.int32)
     st = state.stats
@@ -364,11 +443,15 @@ def take_rows(state: DecodeState, rows: Int[Array, " N"]) -> DecodeState:
     finished (``done``) placeholder row. Grows or shrinks the running batch of continuous batching."""
     b = state.gen.seq_len.shape[0]
     valid = (rows >= 0) & (rows < b)
-    idx = jnp.clip(rows, 0, b - 1)
+    out = _gather_rows(state, jnp.clip(rows, 0, b - 1))
+    return out.replace(gen=out.gen.replace(done=out.gen.done | ~valid))
 
+
+def _gather_rows(tree: Any, idx: Int[Array, " N"]) -> Any:
+    """``tree`` (a ``DecodeState`` or ``GenState``) with every batched leaf indexed by ``idx`` on its
+    batch axis (``_row_axis``)."""
     def take(path, leaf):
         axis = _row_axis(path, leaf)
         return leaf if axis is None else jnp.take(leaf, idx, axis=axis)
 
-    out = jax.tree_util.tree_map_with_path(take, state)
-    return out.replace(gen=out.gen.replace(done=out.gen.done | ~valid))
+    return jax.tree_util.tree_map_with_path(take, tree)

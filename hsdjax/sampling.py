@@ -170,6 +170,13 @@ def target_probs(logits: Float[Array, "B V"], sp: SamplingParams) -> Float[Array
     return jnp.where((sp.temperature > 0)[:, None], probs, greedy)
 
 
+def log_probs(logits: Float[Array, "B V"], sp: SamplingParams) -> Float[Array, "B V"]:
+    """Log-probabilities of the distribution each row's token is drawn from: the log-softmax of the
+    adjusted logits (temperature, top-k, top-p; -inf outside the kept tokens) for sampled rows, of the
+    plain logits for greedy rows (whose one-hot choice has no useful log-probability)."""
+    return jax.nn.log_softmax(adjust_logits(logits, _sampled_rows_only(sp)), axis=-1)
+
+
 def select_tokens(
     logits: Float[Array, "B V"], sp: SamplingParams, keys: UInt[Array, "B 2"]
 ) -> Int[Array, " B"]:

@@ -71,7 +71,7 @@ def chi2_pvalue(counts, probs) -> float:
 
 
 def run_engine(cfg, params, prompts, max_new, drafter=None, dparams=(), chunks=None, temperature=0.0, top_k=0,
-               top_p=1.0, seed=0, stop=(), return_state=False):
+               top_p=1.0, seed=0, stop=(), return_state=False, top_logprobs=None):
     """Drive the engine directly (prefill -> start -> decode in chunks); the new tokens per row."""
     import jax.numpy as jnp
     import numpy as np
@@ -91,10 +91,27 @@ def run_engine(cfg, params, prompts, max_new, drafter=None, dparams=(), chunks=N
     gen, fwd = engine.prefill(params, jnp.array(arr), jnp.array([len(p) for p in prompts]),
                               jnp.full((b,), max_new, jnp.int32), SamplingParams.make(b, temperature, top_k, top_p),
                               keys, engine.stop_array(stop), cfg=cfg, cache_size=s_bucket, spare=drafter.spare,
-                              keep_layers=drafter.prompt_layers)
+                              keep_layers=drafter.prompt_layers, top_logprobs=top_logprobs)
     state = engine.start_decoding(dparams, gen, fwd, drafter=drafter)
     for steps in chunks or [max_new]:
         state = engine.decode(params, dparams, state, jnp.int32(steps), cfg=cfg, drafter=drafter)
     seq, start, end = (np.asarray(a) for a in (state.gen.seq, state.gen.prompt_len, state.gen.seq_len))
     rows = [seq[i, start[i]: end[i]].tolist() for i in range(b)]
     return (rows, state) if return_state else rows
+
+
+def teacher_forced(cfg, params, prompt, tokens, temperature=0.0, top_k=0, top_p=1.0):
+    """``sampling.log_probs`` [T, V] at the position of each of ``tokens`` (the distribution it was
+    drawn from), from one uncached pass of the model over prompt + tokens."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hsdjax.model import Transformer, causal_mask
+    from hsdjax.sampling import SamplingParams, log_probs
+
+    model = Transformer(cfg)
+    seq = jnp.asarray(list(prompt) + list(tokens), jnp.int32)[None]
+    total = seq.shape[1]
+    out = model.apply({"params": params}, seq, jnp.arange(total)[None], causal_mask(jnp.array([total]), total))
+    logits = model.apply({"params": params}, out["hidden"][0, len(prompt) - 1: total - 1], method=Transformer.logits)
+    return np.asarray(log_probs(logits, SamplingParams.make(len(tokens), temperature, top_k, top_p)))

@@ -17,8 +17,9 @@ from hsdjax.sampling import SamplingParams
 from tests.conftest import TINY_QWEN
 
 
-@pytest.mark.parametrize("scan_layers,method", [(True, "ar"), (False, "ar"), (True, "pld"), (True, "sps")])
-def test_engine_exports_for_tpu_and_cuda(scan_layers, method):
+@pytest.mark.parametrize("scan_layers,method,top_logprobs", [(True, "ar", None), (False, "ar", None),
+                                                            (True, "pld", None), (True, "sps", None), (True, "pld", 20)])
+def test_engine_exports_for_tpu_and_cuda(scan_layers, method, top_logprobs):
     cfg = TINY_QWEN.replace(dtype="bfloat16", scan_layers=scan_layers)
     params = jax.eval_shape(lambda: init_params(cfg))
     drafter, dparams = {
@@ -33,7 +34,7 @@ def test_engine_exports_for_tpu_and_cuda(scan_layers, method):
     platforms = ["tpu", "cuda"]
 
     def prefill(*a):
-        return engine.prefill(*a, cfg=cfg, cache_size=s, spare=drafter.spare)
+        return engine.prefill(*a, cfg=cfg, cache_size=s, spare=drafter.spare, top_logprobs=top_logprobs)
 
     exp = export.export(jax.jit(prefill), platforms=platforms)(*prefill_args)
     assert exp.platforms == tuple(platforms)

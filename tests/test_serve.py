@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -35,6 +36,7 @@ CHAT_PROMPTS = [
     "List two planets.",
 ]
 RAW_PROMPT = "Once upon a time"
+REPEAT_PROMPT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat"  # pld accepts
 
 
 def _free_port() -> int:
@@ -308,6 +310,136 @@ def test_seeded_sampling_is_reproducible(client):
     assert a == b
 
 
+# ------------------------------------------------------------------------------------------ logprobs
+@pytest.fixture(scope="module")
+def token_ids(smollm):
+    """Token bytes -> id (the server reports tokens by text and bytes)."""
+    tok = smollm.tokenizer
+    return {tok.token_bytes(i): i for i in reversed(range(tok.vocab_size))}
+
+
+def _close(a, b, atol=1e-4):
+    assert len(a) == len(b) and all(abs(x - y) <= atol for x, y in zip(a, b)), (a, b)
+
+
+def test_chat_logprobs_equal_plain_decoding_and_teacher_forced(client, reference, smollm, token_ids):
+    """A lone greedy request speculates (pld); its logprobs equal plain decoding's (Generator, ar) and a
+    teacher-forced pass of the model over the answer, within 1e-4."""
+    from tests.conftest import teacher_forced
+
+    prompt, n = CHAT_PROMPTS[0], 24
+    want = reference.generate(prompt, max_new_tokens=n, temperature=0.0, top_logprobs=5)[0]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=n,
+                                          temperature=0, logprobs=True, top_logprobs=5)
+    choice = resp.choices[0]
+    assert resp.model_extra["hsdjax"]["method"] == "pld" and choice.message.content == want.text
+    content = choice.logprobs.content
+    tokens = [token_ids[bytes(c.bytes)] for c in content]
+    assert tokens == [t for t in want.tokens if t not in smollm.tokenizer.stop_ids]
+    assert b"".join(bytes(c.bytes) for c in content).decode() == choice.message.content
+    _close([c.logprob for c in content], [w.logprob for w in want.logprobs[: len(content)]])
+    forced = teacher_forced(smollm.cfg, smollm.params, reference.encode_prompt(prompt), want.tokens)
+    _close([c.logprob for c in content], forced[np.arange(len(tokens)), tokens].tolist())
+    for c, w in zip(content, want.logprobs):
+        top = [t.logprob for t in c.top_logprobs]
+        assert len(top) == 5 and top == sorted(top, reverse=True)
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy
+        _close(top, [v for _, v in w.top])
+
+
+def test_sampled_logprobs_are_of_the_adjusted_distribution(client, reference, smollm, token_ids):
+    """Sampled tokens' logprobs are those of the temperature / top-k / top-p adjusted distribution
+    (tokens it excludes: -9999.0, OpenAI's floor)."""
+    from tests.conftest import teacher_forced
+
+    sampling = {"temperature": 0.7, "top_p": 0.9}
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPTS[3]}],
+                                          max_tokens=16, seed=11, logprobs=True, top_logprobs=20,
+                                          extra_body={"top_k": 40}, **sampling)
+    content = resp.choices[0].logprobs.content
+    tokens = [token_ids[bytes(c.bytes)] for c in content]
+    forced = teacher_forced(smollm.cfg, smollm.params, reference.encode_prompt(CHAT_PROMPTS[3]), tokens,
+                            top_k=40, **sampling)
+    _close([c.logprob for c in content], forced[np.arange(len(tokens)), tokens].tolist())
+    for c, row in zip(content, forced):
+        want = np.maximum(-np.sort(-row)[:20], -9999.0)
+        _close([t.logprob for t in c.top_logprobs], want.tolist())
+    assert any(t.logprob == -9999.0 for c in content for t in c.top_logprobs)  # top-p kept fewer than 20
+
+
+def test_completions_logprobs_speculative_equals_plain(client, reference):
+    want = reference.generate(REPEAT_PROMPT, max_new_tokens=24, temperature=0.0, chat=False, top_logprobs=3)[0]
+    resp = client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=24, temperature=0, logprobs=3)
+    assert resp.model_extra["hsdjax"]["mean_accepted_length"] > 1.2  # drafts were accepted
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert choice.text == want.text and "".join(lp.tokens) == choice.text
+    _close(lp.token_logprobs, [w.logprob for w in want.logprobs])
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for token, top, w in zip(lp.tokens, lp.top_logprobs, want.logprobs):
+        assert token in top and len(top) <= 4
+        _close(sorted(top.values(), reverse=True)[:3], [v for _, v in w.top])
+    chunks = list(client.completions.create(model=MODEL, prompt=REPEAT_PROMPT, max_tokens=24, temperature=0,
+                                            logprobs=3, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    _close(sum((s.token_logprobs for s in streamed), []), lp.token_logprobs)
+
+
+def test_chat_logprobs_stream(client):
+    kw = {"max_tokens": 20, "logprobs": True, "top_logprobs": 2}
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPTS[4]}],
+                                           temperature=0, **kw).choices[0]
+    text, chunks = _stream_chat(client, CHAT_PROMPTS[4], **kw)
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert text == whole.message.content
+    assert [e.token for e in entries] == [e.token for e in whole.logprobs.content]
+    _close([e.logprob for e in entries], [e.logprob for e in whole.logprobs.content])
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+# ------------------------------------------------------------------------------------------ n > 1
+def test_n_greedy_choices_equal_one_request(client):
+    one = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPTS[2]}],
+                                         max_tokens=16, temperature=0)
+    four = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPTS[2]}],
+                                          max_tokens=16, temperature=0, n=4)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert [c.message.content for c in four.choices] == [one.choices[0].message.content] * 4
+    assert four.usage.completion_tokens == 4 * one.usage.completion_tokens
+    assert four.usage.prompt_tokens == one.usage.prompt_tokens
+
+
+def test_n_sampled_choices_are_distinct_and_reproducible(client, server):
+    def texts(seed):
+        resp = client.completions.create(model=MODEL, prompt=RAW_PROMPT, max_tokens=16, temperature=1.0, n=3,
+                                         seed=seed)
+        assert [c.index for c in resp.choices] == [0, 1, 2]
+        return [c.text for c in resp.choices]
+
+    first = texts(77)
+    assert len(set(first)) == 3
+    assert texts(77) == first
+    assert texts(78) != first
+    assert server.health()["active"] == 0
+
+
+def test_n_stream_with_logprobs(client):
+    kw = {"max_tokens": 12, "temperature": 0.9, "seed": 5, "n": 2, "logprobs": True}
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPTS[6]}], **kw)
+    _, chunks = _stream_chat(client, CHAT_PROMPTS[6], stream_options={"include_usage": True}, **kw)
+    for i, choice in enumerate(whole.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+        entries = [e for c in mine if c.logprobs for e in c.logprobs.content]
+        assert [e.token for e in entries] == [e.token for e in choice.logprobs.content]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert sum(1 for c in chunks if c.model_extra.get("hsdjax") and c.choices) == 1  # with the last final chunk
+
+
 # ------------------------------------------------------------------------------------------ errors
 def _error_cases():
     chat, comp = "/v1/chat/completions", "/v1/completions"
@@ -333,14 +465,15 @@ def _error_cases():
         (chat, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]}, 400, "messages",
          "context_length_exceeded"),
         (chat, {**ok, "model": "gpt-17"}, 404, "model", "model_not_found"),
-        (chat, {**ok, "n": 2}, 400, "n", "unsupported_parameter"),
-        (chat, {**ok, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+        (chat, {**ok, "n": 9}, 400, "n", "invalid_value"),  # more choices than --max-batch rows
+        (chat, {**ok, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),  # without logprobs: true
+        (chat, {**ok, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "?"),
         (chat, {**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "?"),
         (chat, {**ok, "stream": "yes"}, 400, "stream", "?"),
         (chat, {**ok, "seed": 1.5}, 400, "seed", "?"),
-        (comp, {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+        (comp, {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs", "?"),
         (comp, {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
-        (comp, {"model": MODEL, "prompt": "hi", "n": 3}, 400, "n", "unsupported_parameter"),
+        (comp, {"model": MODEL, "prompt": "hi", "n": 129}, 400, "n", "?"),
         (comp, {"model": MODEL, "prompt": "word " * 2000}, 400, "prompt", "context_length_exceeded"),
         (comp, {"model": MODEL, "prompt": 5}, 400, "prompt", "?"),
         (comp, {"model": MODEL}, 400, "prompt", "missing_required_parameter"),
@@ -370,7 +503,7 @@ def test_bad_requests_get_openai_errors(server):
 
 def test_openai_client_raises_on_errors(client):
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=9)
     assert exc.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])

@@ -27,6 +27,7 @@ from hsdjax.serving.metrics import Metrics
 from hsdjax.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ResponseBuilder,
                                      new_id, usage)
 from hsdjax.serving.scheduler import GenRequest, QueueFull, Scheduler
+from hsdjax.serving.text import TokenPieces
 
 log = logging.getLogger("hsdjax.serve")
 
@@ -154,6 +155,7 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
                body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The app serving ``sched`` (see ``RequestGuard`` for the keyword arguments)."""
     metrics = sched.metrics
+    pieces = TokenPieces(sched.tokenizer)
     created = int(time.time())
     fingerprint = f"hsdjax-{sched.method}-{sched.model.fingerprint[:8]}"
     app = FastAPI(title="hsdjax", description="OpenAI-compatible server with lossless speculative decoding",
@@ -258,6 +260,7 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
             raise APIError(404, f"The model '{body.model}' does not exist (this server serves '{model_name}')",
                            param="model", code="model_not_found")
         body.check_supported()
+        check_capacity(body)
         if sched.failure:
             raise APIError(503, "the model failed to start; see the server log", type="server_error")
         if not sched.ready.is_set():
@@ -291,7 +294,20 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
             id=new_id("req"), prompt_ids=ids, max_new=budget,
             temperature=1.0 if body.temperature is None else float(body.temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p), top_k=body.top_k or 0, seed=seed,
-            stops=body.stop_list(), loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+            stops=body.stop_list(), loop=asyncio.get_running_loop(), queue=asyncio.Queue(), n=body.choices(),
+            top_logprobs=body.top_logprobs_wanted())
+
+    def check_capacity(body: ChatCompletionRequest | CompletionRequest) -> None:
+        """``n`` within the batch (a request's choices generate side by side) and logprobs recorded."""
+        if body.choices() > sched.max_batch:
+            raise APIError(400, f"n={body.choices()} exceeds this server's largest batch ({sched.max_batch} rows; "
+                                "--max-batch): its choices generate side by side", param="n", code="invalid_value")
+        wanted = body.top_logprobs_wanted()
+        if wanted is not None and (sched.top_logprobs is None or wanted > sched.top_logprobs):
+            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) and body.top_logprobs else "logprobs"
+            what = "does not record logprobs" if sched.top_logprobs is None else \
+                f"records at most {sched.top_logprobs} top logprobs per token"
+            raise APIError(400, f"this server {what}", param=param, code="unsupported_parameter")
 
     def submit(req: GenRequest) -> None:
         try:
@@ -305,7 +321,7 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
     async def generate(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Any:
         req = await prepare(body, chat)
         submit(req)
-        builder = ResponseBuilder(chat, model_name, fingerprint)
+        builder = ResponseBuilder(chat, model_name, fingerprint, pieces, req.top_logprobs)
         if body.stream:
             return StreamingResponse(stream(req, builder, body.include_usage()), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -323,8 +339,7 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
                 kind, payload = await req.queue.get()
                 if kind == "done":
                     use = usage(payload["prompt_tokens"], payload["completion_tokens"])
-                    return JSONResponse(builder.full(payload["text"], payload["finish_reason"], use,
-                                                     payload["hsdjax"]))
+                    return JSONResponse(builder.full(payload["choices"], use, payload["hsdjax"]))
                 if kind == "error":
                     return error_response(payload)
         finally:
@@ -332,16 +347,26 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
             req.cancel()  # a no-op once finished; frees the row if this handler is cancelled
 
     async def stream(req: GenRequest, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
+        ended: set[int] = set()  # choices whose final chunk was sent
         try:
             if builder.chat:
-                yield _sse(builder.chunk("", first=True, include_usage=include_usage))
+                for i in range(req.n):
+                    yield _sse(builder.chunk("", index=i, first=True, include_usage=include_usage))
             while True:
                 kind, payload = await req.queue.get()
                 if kind == "delta":
-                    yield _sse(builder.chunk(payload, include_usage=include_usage))
+                    yield _sse(builder.chunk(payload["text"], index=payload["index"], logprobs=payload["logprobs"],
+                                             include_usage=include_usage))
+                elif kind == "finish":
+                    ended.add(payload["index"])
+                    yield _sse(builder.chunk(None, payload["finish_reason"], index=payload["index"],
+                                             include_usage=include_usage))
                 elif kind == "done":
-                    yield _sse(builder.chunk(None, payload["finish_reason"], include_usage=include_usage,
-                                             extra=payload["hsdjax"]))
+                    last = [c for c in payload["choices"] if c["index"] not in ended]
+                    for c in last:  # the hsdjax statistics travel with the very last final chunk
+                        extra = payload["hsdjax"] if c is last[-1] else None
+                        yield _sse(builder.chunk(None, c["finish_reason"], index=c["index"],
+                                                 include_usage=include_usage, extra=extra))
                     if include_usage:
                         use = usage(payload["prompt_tokens"], payload["completion_tokens"])
                         yield _sse(builder.usage_chunk(use, payload["hsdjax"]))

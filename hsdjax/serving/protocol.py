@@ -3,9 +3,13 @@
 Requests are validated strictly (no string-to-number coercion; a JSON number where a string is due is
 an error) and every number is range-checked here (``Field`` bounds; no NaN or infinity), so a bad value
 is a 400 naming the parameter before any generation starts. Fields the OpenAI API defines but hsdjax
-cannot honour losslessly (``n`` > 1, ``logprobs``, penalties, ``logit_bias``, tools, ``echo``,
-``best_of``, ``suffix``) are rejected with a 400 rather than silently ignored; fields unknown to both
-are ignored, as most OpenAI-compatible servers do.
+cannot honour losslessly (penalties, ``logit_bias``, tools, ``echo``, ``best_of``, ``suffix``) are
+rejected with a 400 rather than silently ignored; fields unknown to both are ignored, as most
+OpenAI-compatible servers do.
+
+Logprobs (chat ``logprobs``/``top_logprobs``, completions ``logprobs``) are formatted here from the
+scheduler's ``(TokenLogprob, text offset)`` pairs; a log-probability of -inf (a token outside top-k /
+top-p) is written as ``LOGPROB_FLOOR``, since JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 MAX_STOP_STRINGS = 4
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of (numerically) zero probability
 INT32_MAX = 2**31 - 1  # the engine's token counts, top_k and seeds are int32
 
 
@@ -103,14 +108,18 @@ class _SamplingRequest(_Strict):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def choices(self) -> int:
+        return self.n or 1
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per token the response lists (0: the chosen token's alone); None: no logprobs."""
+        return None
+
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
         """Reject the OpenAI parameters hsdjax does not implement (400, naming the parameter)."""
-        if self.n not in (None, 1):
-            raise APIError(400, f"n={self.n} is not supported: hsdjax returns one choice per request (n=1)",
-                           param="n", code="unsupported_parameter")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (it would change the model's distribution)",
@@ -132,8 +141,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -142,6 +151,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         out = []
@@ -160,8 +172,6 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
         if self.best_of not in (None, 1):
@@ -171,6 +181,9 @@ class CompletionRequest(_SamplingRequest):
 
     def budget(self) -> int | None:
         return self.max_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -196,42 +209,59 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class ResponseBuilder:
-    """Builds the bodies and stream chunks of one request (chat or text completion)."""
+Scored = tuple[Any, int]  # (api.TokenLogprob, where the token's text starts in its choice's text)
 
-    def __init__(self, chat: bool, model: str, fingerprint: str):
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+class ResponseBuilder:
+    """Builds the bodies and stream chunks of one request (chat or text completion). ``pieces`` spells
+    tokens (``text.TokenPieces``) and ``top_logprobs`` is the alternatives per token the request asked
+    for (None: no logprobs)."""
+
+    def __init__(self, chat: bool, model: str, fingerprint: str, pieces: Any = None, top_logprobs: int | None = None):
         self.chat = chat
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.model = model
         self.fingerprint = fingerprint
+        self.pieces, self.top_logprobs = pieces, top_logprobs
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    def full(self, text: str, finish_reason: str, use: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish_reason}
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._head("text_completion")
-        return {**body, "choices": [choice], "usage": use, "hsdjax": extra}
+    def full(self, choices: list[dict[str, Any]], use: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
+        """The whole response; ``choices``: the scheduler's ``index``, ``text``, ``finish_reason``, ``logprobs``."""
+        items = []
+        for c in choices:
+            item: dict[str, Any] = {"index": c["index"]}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": c["text"], "refusal": None}
+            else:
+                item["text"] = c["text"]
+            items.append({**item, "logprobs": self.logprobs(c["logprobs"]), "finish_reason": c["finish_reason"]})
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        return {**body, "choices": items, "usage": use, "hsdjax": extra}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, *, first: bool = False,
-              include_usage: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, *, index: int = 0,
+              logprobs: list[Scored] | None = None, first: bool = False, include_usage: bool = False,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One stream chunk of choice ``index``: its new text and the logprobs of its new tokens."""
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
         if include_usage:
@@ -243,3 +273,32 @@ class ResponseBuilder:
     def usage_chunk(self, use: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": use, "hsdjax": extra}
+
+    # ------------------------------------------------------------------ logprobs
+    def logprobs(self, scored: list[Scored] | None) -> dict[str, Any] | None:
+        """A choice's (or chunk's) ``logprobs`` object for these tokens; None when not asked for."""
+        if self.top_logprobs is None or scored is None:
+            return None
+        return self._chat_logprobs(scored) if self.chat else self._completion_logprobs(scored)
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        text, data = self.pieces(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": data}
+
+    def _chat_logprobs(self, scored: list[Scored]) -> dict[str, Any]:
+        """OpenAI chat: ``content`` [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+        content = [{**self._token(e.token, e.logprob),
+                    "top_logprobs": [self._token(t, lp) for t, lp in e.top[: self.top_logprobs]]} for e, _ in scored]
+        return {"content": content, "refusal": None}
+
+    def _completion_logprobs(self, scored: list[Scored]) -> dict[str, Any]:
+        """Legacy completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (per token a dict of the
+        ``logprobs`` most likely tokens plus the chosen one) and ``text_offset`` (in the completion)."""
+        tops = []
+        for e, _ in scored:
+            top = {self.pieces(t)[0]: _finite(lp) for t, lp in e.top[: self.top_logprobs]}
+            top.setdefault(self.pieces(e.token)[0], _finite(e.logprob))
+            tops.append(top)
+        return {"tokens": [self.pieces(e.token)[0] for e, _ in scored],
+                "token_logprobs": [_finite(e.logprob) for e, _ in scored], "top_logprobs": tops,
+                "text_offset": [offset for _, offset in scored]}

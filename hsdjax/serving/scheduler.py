@@ -2,10 +2,15 @@
 
 See ``hsdjax.serve`` for the policy (batch buckets, rounds per call, when speculation is used).
 HTTP handlers hand requests over with ``submit`` and read events from the request's asyncio queue:
-``("delta", text)``, then ``("done", info)`` or ``("error", APIError)`` (the HTTP side counts the error
-in ``hsdjax_errors_total`` when it answers with it, so the scheduler does not). Setting
-``request.cancelled`` (client gone) makes the scheduler drop the request and free its row before the
+``("delta", {index, text, logprobs})`` for a choice's new text (and, when asked for, its new tokens'
+``(TokenLogprob, text offset)`` pairs), ``("finish", {index, finish_reason})`` when one of several
+choices ends, then ``("done", info)`` or ``("error", APIError)`` (the HTTP side counts the error in
+``hsdjax_errors_total`` when it answers with it, so the scheduler does not). Setting
+``request.cancelled`` (client gone) makes the scheduler drop the request and free its rows before the
 next decode call.
+
+A request with ``n`` choices takes n rows: its prompt is prefilled once and forked
+(``engine.fork_rows``); choice i draws with the key of row i of ``Generator.generate(seed=seed)``.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -24,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsdjax import engine
-from hsdjax.api import BATCH_BUCKETS, Generator, LoadedModel
+from hsdjax.api import BATCH_BUCKETS, Generator, LoadedModel, token_logprobs
 from hsdjax.drafters.base import ARDrafter, Drafter
 from hsdjax.sampling import SamplingParams
 from hsdjax.serving.metrics import Metrics
@@ -34,6 +40,7 @@ from hsdjax.serving.text import TextStream
 log = logging.getLogger("hsdjax.serve")
 
 WARM_PROMPT_BUCKETS = (32, 64, 128)  # prompt buckets compiled at start-up (chat prompts are mostly here)
+MAX_TOP_LOGPROBS = 20  # most likely tokens recorded per generated token (OpenAI's top_logprobs limit)
 
 
 class QueueFull(Exception):
@@ -52,13 +59,14 @@ class GenRequest:
     top_k: int
     seed: int
     stops: list[str]
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None
+    queue: asyncio.Queue | None
+    n: int = 1  # choices: rows generating from the same prompt
+    top_logprobs: int | None = None  # record logprobs (with this many alternatives); None: none
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # owned by the scheduler thread
-    seen: int = 0  # sequence positions already read
-    stream: TextStream | None = None
+    choices: list[Choice] = dataclasses.field(default_factory=list)
     t_admitted: float | None = None
     t_first: float | None = None
     counted: int = 0  # completion tokens already added to the metrics
@@ -71,6 +79,45 @@ class GenRequest:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the event loop is gone (shutdown)
             pass
+
+
+@dataclasses.dataclass(eq=False)
+class Choice:
+    """One of a request's ``n`` generations: a row of the running batch until it finishes."""
+
+    req: GenRequest
+    index: int
+    stream: TextStream
+    seen: int  # sequence positions already read
+    logprobs: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (TokenLogprob, text offset)
+    finish_reason: str | None = None
+    decoded: int = 0  # tokens after the first, target passes and drafter passes, set when it finishes
+    passes: int = 0
+    draft_steps: int = 0
+
+    def result(self) -> dict[str, Any]:
+        return {"index": self.index, "text": self.stream.text, "finish_reason": self.finish_reason,
+                "logprobs": self.logprobs if self.req.top_logprobs is not None else None}
+
+
+@dataclasses.dataclass
+class _HostView:
+    """The running state's arrays copied to the host on first use (once per ``_collect``)."""
+
+    gen: engine.GenState
+
+    @functools.cached_property
+    def seq(self) -> np.ndarray:
+        return np.asarray(self.gen.seq)
+
+    @functools.cached_property
+    def logprobs(self) -> Any:
+        return jax.tree_util.tree_map(np.asarray, self.gen.logprobs)
+
+
+def choice_keys(seed: int, n: int) -> jax.Array:
+    """The RNG keys of choices 0..n-1: those of rows 0..n-1 of ``Generator.generate(..., seed=seed)``."""
+    return jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(n))
 
 
 def speculation_off_variant(drafter: Any) -> Any | None:
@@ -91,7 +138,7 @@ class Scheduler:
     def __init__(self, model: LoadedModel, method: str = "pld", *, max_batch: int = 8, max_queue: int = 64,
                  max_context: int = 2048, rounds: int = 4, spec_max_active: int | None = None,
                  method_options: dict[str, Any] | None = None, metrics: Metrics | None = None,
-                 warmup: bool = True, shrink_after: int = 2):
+                 warmup: bool = True, shrink_after: int = 2, top_logprobs: int | None = MAX_TOP_LOGPROBS):
         self.generator = Generator(model, method=method, **(method_options or {}))
         self.model, self.method = model, method
         self.cfg, self.params = model.cfg, model.params
@@ -107,13 +154,15 @@ class Scheduler:
         self.plain = speculation_off_variant(self.drafter) if spec_max_active is not None else None
         self.metrics = metrics or Metrics()
         self.stop_ids = engine.stop_array(self.tokenizer.stop_ids)
+        self._stop_set = frozenset(self.tokenizer.stop_ids)
+        self.top_logprobs = top_logprobs  # K recorded per token by every row (None: logprobs unavailable)
         self._warmup_on, self._shrink_after = warmup, shrink_after
         self._cond = threading.Condition()
         self._waiting: collections.deque[GenRequest] = collections.deque()
         self._occupied = 0  # rows in use, plus requests taken off the queue and being prefilled
         self._stopping = False
         self._state: engine.DecodeState | None = None
-        self._slots: list[GenRequest | None] = []
+        self._slots: list[Choice | None] = []
         self._small_for = 0
         self.ready = threading.Event()
         self.failure: str | None = None
@@ -137,6 +186,8 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise APIError(503, "the server is shutting down", type="server_error")
+            if req.n > self.max_batch:  # it would never fit (the app answers 400 before this)
+                raise APIError(400, f"n must be at most {self.max_batch} here", param="n", code="invalid_value")
             if len(self._waiting) + self._occupied >= self.max_batch + self.max_queue:
                 raise QueueFull()
             self._waiting.append(req)
@@ -182,7 +233,9 @@ class Scheduler:
         new = None
         for p_bucket in WARM_PROMPT_BUCKETS:
             if p_bucket <= self.cache_size:
-                new = self._prefill([((bos * p_bucket)[: p_bucket // 2 + 1], 0, 0.0, 1.0, 0, 0)])
+                new = self._prefill(GenRequest(id="warm-up", prompt_ids=(bos * p_bucket)[: p_bucket // 2 + 1],
+                                               max_new=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, stops=[],
+                                               loop=None, queue=None))
         assert new is not None
         for b in self.buckets:
             rows = jnp.asarray([0] + [-1] * (b - 1), jnp.int32)
@@ -195,54 +248,50 @@ class Scheduler:
             jax.block_until_ready(state)
         log.info("warm-up (compilation) took %.1fs", time.perf_counter() - t0)
 
-    def _prefill(self, rows: list[tuple[list[int], int, float, float, int, int]]) -> engine.DecodeState:
-        """Prefill rows (ids, max_new, temperature, top_p, top_k, seed) into a fresh state of the
-        smallest batch bucket; padding rows start done."""
-        n = len(rows)
-        nb = engine.pick_bucket(n, self.buckets, "a batch")
-        longest = max(len(r[0]) for r in rows)
-        p_bucket = min(engine.pick_bucket(longest, engine.PROMPT_BUCKETS, "a prompt"), self.cache_size)
-        prompt = np.zeros((nb, p_bucket), np.int32)
-        lengths = np.ones((nb,), np.int32)
-        budget = np.zeros((nb,), np.int32)
-        temp = np.zeros((nb,), np.float32)
-        top_p = np.ones((nb,), np.float32)
-        top_k = np.zeros((nb,), np.int32)
-        keys = []
-        for i, (ids, max_new, t, p, k, seed) in enumerate(rows):
-            prompt[i, : len(ids)] = ids
-            lengths[i], budget[i], temp[i], top_p[i], top_k[i] = len(ids), max_new, t, p, k
-            # row 0 of `Generator.generate(..., seed=seed)`: the same draws as `hsdjax generate`
-            keys.append(jax.random.fold_in(jax.random.PRNGKey(seed), 0))
-        keys += [keys[0]] * (nb - n)
-        sampling = SamplingParams(temperature=jnp.asarray(temp), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p))
-        gen, fwd = engine.prefill(self.params, jnp.asarray(prompt), jnp.asarray(lengths), jnp.asarray(budget),
-                                  sampling, jnp.stack(keys), self.stop_ids, cfg=self.cfg,
-                                  cache_size=self.cache_size, spare=self.drafter.spare,
-                                  keep_layers=self.drafter.prompt_layers)
+    def _prefill(self, r: GenRequest) -> engine.DecodeState:
+        """Prefill ``r``'s prompt once into a state of its ``n`` rows (the smallest batch bucket holding
+        them; rows beyond n are spare copies that ``_place`` drops); row i draws with ``choice_keys``' i."""
+        nb = engine.pick_bucket(r.n, self.buckets, "a batch")
+        p_bucket = min(engine.pick_bucket(len(r.prompt_ids), engine.PROMPT_BUCKETS, "a prompt"), self.cache_size)
+        prompt = np.zeros((1, p_bucket), np.int32)
+        prompt[0, : len(r.prompt_ids)] = r.prompt_ids
+        sampling = SamplingParams(temperature=jnp.asarray(np.array([r.temperature], np.float32)),
+                                  top_k=jnp.asarray(np.array([r.top_k], np.int32)),
+                                  top_p=jnp.asarray(np.array([r.top_p], np.float32)))
+        keys = choice_keys(r.seed, nb)
+        gen, fwd = engine.prefill(self.params, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids)], jnp.int32),
+                                  jnp.asarray([r.max_new], jnp.int32), sampling, keys[:1], self.stop_ids,
+                                  cfg=self.cfg, cache_size=self.cache_size, spare=self.drafter.spare,
+                                  keep_layers=self.drafter.prompt_layers, top_logprobs=self.top_logprobs)
+        if nb > 1:
+            gen, fwd = engine.fork_rows(self.params, gen, fwd, keys, cfg=self.cfg, spare=self.drafter.spare)
         return engine.start_decoding(self.dparams, gen, fwd, drafter=self.drafter)
 
-    def _admit(self) -> None:
-        """Move waiting requests into free rows (growing the batch bucket first when needed): a
-        batch-1 prefill per request (one compiled program per prompt bucket), then ``insert_rows``."""
+    def _take_waiting(self) -> list[GenRequest]:
+        """Waiting requests (FIFO) whose rows fit in the free rows; clients gone while queued are dropped."""
         batch: list[GenRequest] = []
         with self._cond:
             gone = [r for r in self._waiting if r.cancelled.is_set()]
             if gone:  # clients that left while queued stop holding queue places
                 self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
                 for r in gone:
-                    self._finish(r, "cancelled", 0, 0)
+                    self._finish(r, "cancelled")
             room = self.max_batch - self._occupied
-            while self._waiting and len(batch) < room:
+            while self._waiting and self._waiting[0].n <= room:
                 r = self._waiting.popleft()
-                if r.cancelled.is_set():
-                    self._finish(r, "cancelled", 0, 0)
-                    continue
                 batch.append(r)
-            self._occupied += len(batch)
+                room -= r.n
+            self._occupied += sum(r.n for r in batch)
+        return batch
+
+    def _admit(self) -> None:
+        """Move waiting requests into free rows (growing the batch bucket first when needed): one
+        batch-1 prefill per request (one compiled program per prompt bucket), then ``insert_rows``."""
+        batch = self._take_waiting()
         if not batch:
             return
-        target = engine.pick_bucket(sum(r is not None for r in self._slots) + len(batch), self.buckets, "a batch")
+        busy = sum(c is not None for c in self._slots)
+        target = engine.pick_bucket(busy + sum(r.n for r in batch), self.buckets, "a batch")
         if self._state is not None and target > len(self._slots):  # grow the running batch first
             b = len(self._slots)
             grow = np.arange(target, dtype=np.int32)
@@ -251,31 +300,41 @@ class Scheduler:
             self._slots += [None] * (target - b)
         for r in batch:
             try:
-                new = self._prefill([(r.prompt_ids, r.max_new, r.temperature, r.top_p, r.top_k, r.seed)])
+                new = self._prefill(r)
             except Exception:  # noqa: BLE001 - only this request fails
                 log.error("prefill failed:\n%s", traceback.format_exc())
                 with self._cond:
-                    self._occupied -= 1
+                    self._occupied -= r.n
                 self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
                 r.send(("error", APIError(500, "the prefill failed; see the server log", type="server_error")))
                 continue
-            if self._state is None:
-                rows = jnp.asarray([0] + [-1] * (target - 1), jnp.int32)
-                self._state = new if target == 1 else engine.take_rows(new, rows)
-                self._slots = [r] + [None] * (target - 1)
-            else:
-                free = self._slots.index(None)
-                self._state = engine.insert_rows(self._state, new, jnp.asarray([free], jnp.int32))
-                self._slots[free] = r
-            r.seen = len(r.prompt_ids)
-            r.stream = TextStream(self.tokenizer, self.tokenizer.stop_ids, r.stops)
-            r.t_admitted = time.perf_counter()
+            self._place(r, new, target)
         self._small_for = 0
         if self._state is not None:
             self._collect()  # the first token comes from the prefill
 
+    def _place(self, r: GenRequest, new: engine.DecodeState, target: int) -> None:
+        """Write ``r``'s prefilled rows into free rows of the running state (creating it at ``target``
+        rows when there is none) and give each its ``Choice``."""
+        if self._state is None:
+            self._slots = [None] * target
+            rows = np.full((target,), -1, np.int32)
+            rows[: r.n] = np.arange(r.n)
+            same = target == r.n == new.gen.seq_len.shape[0]
+            self._state = new if same else engine.take_rows(new, jnp.asarray(rows))
+            free = list(range(r.n))
+        else:
+            free = [i for i, c in enumerate(self._slots) if c is None][: r.n]
+            slots = free + [len(self._slots)] * (new.gen.seq_len.shape[0] - r.n)  # spare copies: dropped
+            self._state = engine.insert_rows(self._state, new, jnp.asarray(slots, jnp.int32))
+        r.choices = [Choice(req=r, index=i, stream=TextStream(self.tokenizer, self.tokenizer.stop_ids, r.stops),
+                            seen=len(r.prompt_ids)) for i in range(r.n)]
+        for i, c in zip(free, r.choices):
+            self._slots[i] = c
+        r.t_admitted = time.perf_counter()
+
     def _step(self) -> None:
-        active = sum(r is not None for r in self._slots)
+        active = sum(c is not None for c in self._slots)
         drafter = self.drafter
         if self.plain is not None and active > self.spec_max_active:
             drafter = self.plain
@@ -285,78 +344,104 @@ class Scheduler:
         self._collect()
 
     def _collect(self) -> None:
-        """Hand each row's new tokens to its request; free rows that finished or were cancelled."""
+        """Hand each row's new tokens to its choice; free rows that finished or were cancelled."""
         gen = self._state.gen
         seq_len = np.asarray(gen.seq_len)
         done = np.asarray(gen.done)
-        seq = None
+        host = _HostView(gen)
         stop_rows = []
         now = time.perf_counter()
-        for i, r in enumerate(self._slots):
-            if r is None:
+        for i, c in enumerate(self._slots):
+            if c is None:
                 continue
+            r = c.req
             if r.cancelled.is_set():
                 stop_rows.append(i)
                 self._release(i, "cancelled")
                 continue
-            end = int(seq_len[i])
-            delta = []
-            if end > r.seen:
-                if seq is None:
-                    seq = np.asarray(gen.seq)
-                for t in seq[i, r.seen: end].tolist():
-                    delta.append(r.stream.push(t))
-                    if r.stream.finished:
-                        break
-                r.seen = end
-            if not r.stream.finished and done[i]:
-                delta.append(r.stream.finish("length"))
-            if r.stream.tokens > r.counted:
-                self.metrics.tokens(r.stream.tokens - r.counted)
-                r.counted = r.stream.tokens
-                if r.t_first is None:
-                    r.t_first = now
-                    self.metrics.first_token(now - r.t_arrival)
-            text = "".join(delta)
-            if text:
-                r.send(("delta", text))
-            if r.stream.finished:
+            text, scored = self._advance(c, i, int(seq_len[i]), bool(done[i]), host)
+            self._count_tokens(r, now)
+            if text or scored:
+                r.send(("delta", {"index": c.index, "text": text,
+                                  "logprobs": scored if r.top_logprobs is not None else None}))
+            if c.stream.finished:
                 if not done[i]:
                     stop_rows.append(i)
-                self._release(i, r.stream.finish_reason)
+                self._release(i, c.stream.finish_reason)
         if stop_rows:  # rows freed early (stop string, client gone) stop computing
             mask = np.zeros(done.shape, bool)
             mask[stop_rows] = True
             self._state = self._state.replace(gen=gen.replace(done=gen.done | jnp.asarray(mask)))
 
+    def _advance(self, c: Choice, row: int, end: int, row_done: bool, host: _HostView
+                 ) -> tuple[str, list[tuple[Any, int]]]:
+        """Push the row's new tokens through the choice's text stream: the text that may be sent and,
+        when asked for, the consumed tokens' (logprobs, text offset) (stop tokens have none)."""
+        delta, scored = [], []
+        if end > c.seen:
+            entries = None
+            if c.req.top_logprobs is not None:
+                entries = token_logprobs(host.seq, host.logprobs, row, c.seen, end)
+            for j, t in enumerate(host.seq[row, c.seen: end].tolist()):
+                offset = len(c.stream.text)
+                delta.append(c.stream.push(t))
+                if entries is not None and t not in self._stop_set:
+                    scored.append((entries[j], offset))
+                if c.stream.finished:
+                    break
+            c.seen = end
+        if not c.stream.finished and row_done:
+            delta.append(c.stream.finish("length"))
+        c.logprobs += scored
+        return "".join(delta), scored
+
+    def _count_tokens(self, r: GenRequest, now: float) -> None:
+        """Add the request's newly consumed completion tokens to the metrics (and note its first token)."""
+        tokens = sum(c.stream.tokens for c in r.choices)
+        if tokens > r.counted:
+            self.metrics.tokens(tokens - r.counted)
+            r.counted = tokens
+            if r.t_first is None:
+                r.t_first = now
+                self.metrics.first_token(now - r.t_arrival)
+
     def _release(self, i: int, reason: str) -> None:
-        r = self._slots[i]
+        """Free row ``i``; its choice ends with ``reason``, the request once its last choice has."""
+        c = self._slots[i]
         self._slots[i] = None
         stats = jax.tree_util.tree_map(lambda a: a[i], self._stats_np())
-        decoded = int(np.asarray(self._state.gen.seq_len)[i]) - len(r.prompt_ids) - 1
-        self._finish(r, reason, decoded, int(stats.target_passes), stats)
+        c.decoded = int(np.asarray(self._state.gen.seq_len)[i]) - len(c.req.prompt_ids) - 1
+        c.passes, c.draft_steps = int(stats.target_passes), int(stats.draft_passes)
+        c.finish_reason = reason
         with self._cond:
             self._occupied -= 1
+        r = c.req
+        if any(x.finish_reason is None for x in r.choices):
+            if reason != "cancelled":
+                r.send(("finish", {"index": c.index, "finish_reason": reason}))
+            return
+        self._finish(r, "cancelled" if r.cancelled.is_set() else r.choices[0].finish_reason)
 
     def _stats_np(self) -> Any:
         return jax.tree_util.tree_map(np.asarray, self._state.stats)
 
-    def _finish(self, r: GenRequest, reason: str, decoded: int, passes: int, stats: Any = None) -> None:
+    def _finish(self, r: GenRequest, reason: str) -> None:
+        """The request is over: count it and send ``done`` (its choices, usage summed over them)."""
+        decoded, passes = sum(c.decoded for c in r.choices), sum(c.passes for c in r.choices)
         self.metrics.request_done(reason, len(r.prompt_ids), decoded, passes)
         if reason == "cancelled":
             r.send(("error", APIError(499, "the client closed the request", type="cancelled")))
             return
         now = time.perf_counter()
         info = {
-            "finish_reason": reason,
-            "text": r.stream.text if r.stream else "",
+            "choices": [c.result() for c in r.choices],
             "prompt_tokens": len(r.prompt_ids),
-            "completion_tokens": r.stream.tokens if r.stream else 0,
+            "completion_tokens": sum(c.stream.tokens for c in r.choices),
             "hsdjax": {
                 "method": self.method,
                 "mean_accepted_length": round(decoded / passes, 4) if passes else None,
                 "target_passes": passes,
-                "draft_steps": int(stats.draft_passes) if stats is not None else 0,
+                "draft_steps": sum(c.draft_steps for c in r.choices),
                 "queue_s": round((r.t_admitted or now) - r.t_arrival, 4),
                 "ttft_s": round((r.t_first or now) - r.t_arrival, 4),
                 "total_s": round(now - r.t_arrival, 4),
@@ -367,7 +452,7 @@ class Scheduler:
     def _resize(self) -> None:
         """Drop the state when no row is busy; shrink to a smaller batch bucket once the busy rows
         have fitted in it for ``shrink_after`` consecutive steps and nothing waits."""
-        busy = [i for i, r in enumerate(self._slots) if r is not None]
+        busy = [i for i, c in enumerate(self._slots) if c is not None]
         if not busy:
             self._state, self._slots, self._small_for = None, [], 0
             return
@@ -389,10 +474,9 @@ class Scheduler:
     def _fail_all(self, exc: Exception | None) -> None:
         err = (APIError(500, "generation failed; see the server log", type="server_error") if exc is not None
                else APIError(503, "the server is shutting down", type="server_error"))
-        for i, r in enumerate(self._slots):
-            if r is not None:
-                self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
-                r.send(("error", err))
+        for r in dict.fromkeys(c.req for c in self._slots if c is not None):
+            self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
+            r.send(("error", err))
         with self._cond:
             self._occupied = 0
         self._state, self._slots = None, []

@@ -1,4 +1,5 @@
-"""Generated token ids -> text deltas for one request: whole UTF-8 characters, stop strings cut.
+"""Generated token ids -> text deltas for one request: whole UTF-8 characters, stop strings cut;
+and the text of single tokens for logprobs (``TokenPieces``).
 
 Tokens are pushed one at a time, so the place where a stop string completes (and therefore the
 number of completion tokens) does not depend on how many tokens a decode call produced. Text that
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from hsdjax.errors import HsdjaxError
 from hsdjax.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -71,3 +73,30 @@ class TextStream:
             if any(s.startswith(tail) for s in self._stops):
                 return k
         return 0
+
+
+class TokenPieces:
+    """Token id -> (text, UTF-8 bytes) as logprobs report a token, cached. A token whose bytes are not
+    whole UTF-8 characters (part of a multi-byte character) is spelled ``bytes:\\xe6\\x97`` (as vLLM
+    does); its ``bytes`` are the raw bytes, which concatenate to the completion's text."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self._cache.get(token_id)
+        if piece is None:
+            piece = self._cache[token_id] = self._spell(token_id)
+        return piece
+
+    def _spell(self, token_id: int) -> tuple[str, list[int]]:
+        try:
+            data = self._tokenizer.token_bytes(token_id)
+        except HsdjaxError:  # not a byte-level tokenizer
+            data = self._tokenizer.decode([token_id]).encode("utf-8")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+        return text, list(data)
