@@ -21,25 +21,11 @@ from hsdjax.errors import HsdjaxError
 from hsdjax.methods import FEATURE_METHODS, METHODS, OPTIONS, TREE_METHODS, has_shipped_drafter
 from hsdjax.sharding import add_mesh_args, mesh_from_args
 from hsdjax.tune import FEATURE_BUDGETS, FEATURE_DEPTHS, tune
+from hsdjax.argtypes import float_in as _float_in, int_at_least as _int_at_least
 
 DEMO_PROMPT = ("Here is a Python function:\n\ndef mean(values):\n    total = 0\n    for v in values:\n"
                "        total += v\n    return total / len(values)\n\n"
                "Rewrite it with type hints and a docstring, and explain the change in one sentence.")
-
-
-def _int_at_least(lo: int, hi: int = 1_000_000):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
-        if value > hi:
-            raise argparse.ArgumentTypeError(f"{value} is absurdly large (at most {hi})")
-        return value
-
-    return parse
 
 
 _positive_int = _int_at_least(1)
@@ -52,20 +38,6 @@ def _positive_int_list(text: str) -> tuple[int, ...]:
     if not items:
         raise argparse.ArgumentTypeError("expected a comma-separated list of whole numbers, e.g. 3,4,6")
     return tuple(dict.fromkeys(_positive_int(t) for t in items))
-
-
-def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (lo < value if lo_open else lo <= value) or not (value < hi if hi_open else value <= hi):
-            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, "
-                                             f"got {value}")
-        return value
-
-    return parse
 
 
 _probability = _float_in(0.0, 1.0, hi_open=True)

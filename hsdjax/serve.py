@@ -95,25 +95,13 @@ import sys
 import time
 from typing import Any
 
+from hsdjax.argtypes import float_in, int_at_least
 from hsdjax.errors import HsdjaxError
 from hsdjax.serving import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
 log = logging.getLogger("hsdjax.serve")
 SHUTDOWN_GRACE_S = 10.0
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-def _at_least(kind: type, low: float) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
 
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
@@ -124,11 +112,11 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
                    help="Host header names accepted, '*' for any (default: localhost, 127.0.0.1, ::1 and "
                         "--host; any when --host is 0.0.0.0 or ::)")
-    s.add_argument("--max-body-bytes", type=_at_least(int, 1024), default=MAX_BODY_BYTES,
+    s.add_argument("--max-body-bytes", type=int_at_least(1024, 1 << 40), default=MAX_BODY_BYTES,
                    help=f"largest request body; larger ones get 413 (default {MAX_BODY_BYTES})")
-    s.add_argument("--body-timeout-s", type=_at_least(float, 0.1), default=BODY_TIMEOUT_S,
+    s.add_argument("--body-timeout-s", type=float_in(0.1, float('inf')), default=BODY_TIMEOUT_S,
                    help=f"408 for a client that stops sending its body this long (default {BODY_TIMEOUT_S:g})")
-    s.add_argument("--shutdown-grace-s", type=_at_least(float, 0.0), default=SHUTDOWN_GRACE_S,
+    s.add_argument("--shutdown-grace-s", type=float_in(0.0, float('inf')), default=SHUTDOWN_GRACE_S,
                    help="on SIGTERM/SIGINT, let running requests finish this long, then end them with an "
                         f"error (default {SHUTDOWN_GRACE_S:g})")
 

@@ -130,16 +130,16 @@ def test_body_over_the_limit_is_refused_before_it_is_read(srv, http):
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nAuthorization: Bearer {KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {LIMIT + 1}\r\n\r\n")
     status, body, elapsed = _raw_http(srv.port, head, [b'{"model": "'])  # 11 of LIMIT + 1 bytes sent
-    assert status == 413 and body["error"]["code"] == "request_too_large", body
-    assert elapsed < 2.0
+    assert status == 413 and body["error"]["code"] == "request_too_large", body  # not 408: never waited for the rest
+    assert elapsed < 10.0  # no hang (a loaded machine can delay the answer by seconds)
     # chunked: counted while it arrives, refused once past the limit (the client never finishes)
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
     piece = b"x" * (256 << 10)
     chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * (LIMIT // len(piece) + 1)
     status, body, elapsed = _raw_http(srv.port, head, chunks)
-    assert status == 413 and body["error"]["code"] == "request_too_large", body
-    assert elapsed < 2.0
+    assert status == 413 and body["error"]["code"] == "request_too_large", body  # not 408: never waited for the rest
+    assert elapsed < 10.0  # no hang (a loaded machine can delay the answer by seconds)
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     metrics = http.get("/metrics").text
