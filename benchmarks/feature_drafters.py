@@ -2,6 +2,8 @@
 
     python benchmarks/feature_drafters.py --limit 3 --max-new-tokens 256 \\
         --methods ar,eagle,hsd,hsd:refresh,hsd:min2
+    python benchmarks/feature_drafters.py --limit 4 --acceptance-only \\
+        --variant hsd-8k=hsd:PATH/TO/hsd-8k.safetensors --variant hsd-4k=hsd:PATH/TO/hsd-4k.safetensors
 
 Greedy. Questions are taken from each dev set (mt_bench turns 1 and 2, gsm8k, humaneval, alpaca);
 methods are compiled first, then interleaved question by question in a rotating order. Printed per
@@ -9,7 +11,11 @@ method: decode tokens/s and its ratio to `ar` (ratio of means, and median of per
 mean accepted length, acceptance per depth, drafter passes and drafter states per generated token,
 draft utilisation (accepted drafts / drafter states), reused states, and token-identity to `ar`.
 A step-time split (target verification pass vs drafter) comes from the measured cost of a target
-pass at the verified tree size. ``hsd:POLICY`` selects the chain refresh policy. Question reading, the
+pass at the verified tree size. ``hsd:POLICY`` selects the chain refresh policy. ``--variant
+LABEL=METHOD:CHECKPOINT`` adds a method with another drafter checkpoint under its own label (drafter
+ablations side by side). ``--acceptance-only`` skips the pass-cost timing and the speed columns: the
+acceptance figures and the identity check do not depend on timing, so such a run may share the CPUs
+with other work. Question reading, the
 runners, the interleaving and the arithmetic are ``hsdjax.bench``'s.
 """
 
@@ -27,8 +33,9 @@ SETS = [("mt_bench", 1), ("mt_bench", 2), ("gsm8k", 1), ("humaneval", 1), ("alpa
 DEPTHS_SHOWN = 10  # acceptance per depth: at least this many depths
 
 
-def make_runner(model: Any, spec: str, opts: dict[str, Any]) -> Any:
-    """A runner for ``METHOD[:POLICY]``; the options reach the feature drafters only."""
+def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None = None) -> Any:
+    """A runner for ``METHOD[:POLICY]`` (named ``label`` if given); the options reach the feature
+    drafters only."""
     from hsdjax.api import Generator
     from hsdjax.bench.runners import LocalMethod
     from hsdjax.methods import FEATURE_METHODS, options_for
@@ -38,8 +45,19 @@ def make_runner(model: Any, spec: str, opts: dict[str, Any]) -> Any:
     if policy:
         extra["policy"] = policy
     gen = Generator(model, method, **extra)
-    gen.method = spec
+    gen.method = label or spec
     return LocalMethod(gen)
+
+
+def parse_variant(text: str) -> tuple[str, str, str]:
+    """``LABEL=METHOD:CHECKPOINT`` -> (label, method, checkpoint path)."""
+    label, eq, rest = text.partition("=")
+    method, colon, path = rest.partition(":")
+    if not (eq and colon and label and method in ("hsd", "eagle") and path):
+        raise SystemExit(f"--variant {text!r}: expected LABEL=hsd:CHECKPOINT or LABEL=eagle:CHECKPOINT")
+    if not Path(path).is_file():
+        raise SystemExit(f"--variant {text!r}: no such checkpoint {path}")
+    return label, method, path
 
 
 def dev_prompts(ar: Any, limit: int, max_new: int) -> list[tuple[str, list[int]]]:
@@ -99,7 +117,18 @@ def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[
     }
 
 
-def print_summary(summary: dict[str, dict[str, Any]]) -> None:
+def print_summary(summary: dict[str, dict[str, Any]], timed: bool = True) -> None:
+    if not timed:
+        print(f"{'method':<14} {'acc.len':>7} {'states/tok':>10} {'util':>6} {'== ar':>6}  accepted length by set")
+        for name, s in summary.items():
+            util = f"{s['utilisation']:.3f}" if s["utilisation"] is not None else "-"
+            sets = ", ".join(f"{k} {v['accepted_length']:.2f}" for k, v in s["by_set"].items())
+            print(f"{name:<14} {s['accepted_length']:>7.2f} {s['drafter_states_per_token']:>10.3f} {util:>6} "
+                  f"{s['identical']:>3}/{s['questions']}  {sets}")
+        for name, s in summary.items():
+            if name != "ar":
+                print(f"{name}: acceptance per depth {s['per_depth']}")
+        return
     print(f"{'method':<12} {'dec tok/s':>9} {'x ar':>6} {'median':>6} {'acc.len':>7} {'pass/tok':>8} "
           f"{'states/tok':>10} {'util':>6} {'reused':>6} {'round ms':>8} {'verify':>6} {'drafter':>7} {'== ar':>6}")
     for name, s in summary.items():
@@ -156,6 +185,10 @@ def main() -> int:
     p.add_argument("--min-prob", type=float, default=None)
     p.add_argument("--hsd-drafter", default=None)
     p.add_argument("--eagle-drafter", default=None)
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD:CHECKPOINT",
+                   help="add METHOD (hsd or eagle) with this drafter checkpoint, shown as LABEL (repeatable)")
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="acceptance and identity only: no pass-cost timing, no speed columns")
     p.add_argument("--json-out", default=None)
     p.add_argument("--coverage-data", default=None, help="drafter data folder: report how much of ar's output "
                    "draft vocabularies of 4,096 and 8,192 tokens built from it cover, per dev set")
@@ -168,13 +201,16 @@ def main() -> int:
     for spec in args.methods.split(","):
         path = args.hsd_drafter if spec.startswith("hsd") else args.eagle_drafter if spec == "eagle" else None
         runners.append(make_runner(model, spec, {**opts, "drafter": path} if path else opts))
+    for label, method, path in map(parse_variant, args.variant):
+        runners.append(make_runner(model, method, {**opts, "drafter": path}, label))
     ar = next(r for r in runners if r.name == "ar")
     prompts = dev_prompts(ar.gen, args.limit, args.max_new_tokens)
     rows = run_interleaved(runners, prompts, args.max_new_tokens)
-    costs = pass_cost(model, nodes=(1, 2, 4, 8, 12, 16, 24))
+    costs = ({n: 1.0 for n in (1, 2, 4, 8, 12, 16, 24)} if args.acceptance_only
+             else pass_cost(model, nodes=(1, 2, 4, 8, 12, 16, 24)))
     base = rows["ar"]
     summary = {r.name: summarize(rows[r.name], base, costs) for r in runners}
-    print_summary(summary)
+    print_summary(summary, timed=not args.acceptance_only)
     coverage = None
     if args.coverage_data:
         coverage = vocab_coverage(Path(args.coverage_data), base, (4096, 8192), model.cfg.vocab_size)

@@ -111,3 +111,37 @@ def test_window_data_views_the_stream_without_copying():
     assert np.shares_memory(held.states, data["states"])
     np.testing.assert_array_equal(held.tokens, np.arange(10, 17))
     np.testing.assert_array_equal(held.doc, doc[10:])
+
+
+def test_feature_noise_is_bounded_per_state_and_reproducible():
+    from hsdjax.train.train import add_feature_noise
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 3, 16)) * jax.numpy.arange(1, 4)[None, None, :, None]
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    y = np.asarray(add_feature_noise(x, keys, 0.1))
+    rms = np.sqrt(np.mean(np.square(np.asarray(x)), axis=-1, keepdims=True))
+    d = np.abs(y - np.asarray(x))
+    assert (d <= 0.1 * rms + 1e-6).all() and d.mean() > 0.02 * rms.mean()  # scaled to each state, not zero
+    np.testing.assert_array_equal(y, np.asarray(add_feature_noise(x, keys, 0.1)))  # same keys, same noise
+    # a row's noise depends only on its own key (independent of how rows are split over devices)
+    np.testing.assert_array_equal(y[1:], np.asarray(add_feature_noise(x[1:], keys[1:], 0.1)))
+
+
+def test_training_with_feature_noise_learns_and_is_reproducible(recorded, tmp_path):
+    params, layers, prompts, data = recorded
+    fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
+                       rope_theta=CFG.rope_theta)
+    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
+    frozen = frozen_from_params(params, CFG)
+    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
+                 "final_norm": np.asarray(frozen["final_norm"])}
+    opts = dict(window=32, batch=8, rollout=2, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=24,
+                feature_noise=0.1)
+    whole = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "a", progress=False, log=lambda m: None)
+    assert whole["history"][-1]["loss"] < whole["history"][0]["loss"]
+    again = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "b", progress=False, log=lambda m: None)
+    flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(t)])  # noqa: E731
+    np.testing.assert_allclose(flat(again["params"]), flat(whole["params"]), rtol=1e-5, atol=1e-6)  # noise from (seed, step)
+    clean = train(fc, data, frozen_np, vocab_ids, dict(opts, feature_noise=0.0), tmp_path / "c", progress=False,
+                  log=lambda m: None)
+    assert not np.allclose(flat(clean["params"]), flat(whole["params"]))  # the noise reached the training

@@ -8,7 +8,10 @@ the next true token) at position t+s-1; each query attends to the true context u
 own earlier rollout inputs, exactly what the drafter sees at inference. At each step the loss is a
 soft cross-entropy against the target's top-k distribution over the draft vocabulary (``hsd``:
 through ``g`` with the true path tokens) plus a smooth-L1 regression to the target's final state,
-weighted by ``step_decay ** (s-1)``; prompt tokens are weighted by ``prompt_weight``.
+weighted by ``step_decay ** (s-1)``; prompt tokens are weighted by ``prompt_weight``. With
+``feature_noise`` = a > 0, training (not evaluation) adds uniform noise in [-a, a] times each state's
+root mean square to the target states the drafter reads (never to the states it must predict), so
+it learns from inputs as imperfect as its own predictions at later steps.
 
 Data parallel: given a ``jax.sharding.Mesh`` (axes ``data``, ``model``), each batch of windows is split
 by rows over ``data`` while the drafter's params, the optimizer state and the frozen target pieces are
@@ -39,7 +42,7 @@ from hsdjax.model import NEG_INF, rms_norm
 TRAIN_DEFAULTS = {
     "window": 256, "batch": 8, "rollout": 4, "epochs": 2.0, "lr": 1e-3, "warmup": 50, "weight_decay": 0.01,
     "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "prompt_weight": 0.3, "holdout": 0.02,
-    "save_every_s": 600, "seed": 0, "max_steps": 0,
+    "save_every_s": 600, "seed": 0, "max_steps": 0, "feature_noise": 0.0,
 }
 
 
@@ -75,6 +78,15 @@ def rollout_attention(q: Float[Array, "B T H D"], k_true: Float[Array, "B T K D"
     return out.reshape(b, t, h, d)
 
 
+def add_feature_noise(states: Float[Array, "B T F E"], keys: Shaped[Array, "B 2"], amount: float
+                      ) -> Float[Array, "B T F E"]:
+    """``states`` plus uniform noise in [-amount, amount] times each state's root mean square (one key
+    per row, so the noise does not depend on how rows are split over devices)."""
+    u = jax.vmap(lambda k: jax.random.uniform(k, states.shape[1:], jnp.float32, -1.0, 1.0))(keys)
+    rms = jnp.sqrt(jnp.mean(jnp.square(states), axis=-1, keepdims=True))
+    return states + amount * rms * u
+
+
 def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array], cfg: FeatureConfig,
                  opts: dict[str, Any]) -> tuple[Array, dict[str, Array]]:
     """Loss of one batch of windows and per-step metrics (accuracy of the draft's top-1)."""
@@ -84,7 +96,10 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
     b, t = tokens.shape
     states = batch["states"].astype(jnp.float32)  # [B, T, F+1, E]
     target_h = rms_norm(states[:, :, -1], frozen["final_norm"], cfg.eps)
-    feats = call(FeatureDrafterNet.fuse_states, states[:, :, :-1])
+    inputs = states[:, :, :-1]
+    if "noise_key" in batch:  # training with feature noise
+        inputs = add_feature_noise(inputs, batch["noise_key"], opts["feature_noise"])
+    feats = call(FeatureDrafterNet.fuse_states, inputs)
     emb = lambda ids: call(FeatureDrafterNet.embed, frozen["embed"], ids)  # noqa: E731
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     i = jnp.arange(t)
@@ -274,7 +289,7 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
         total = min(total, opts["max_steps"])
     optimizer = make_optimizer(opts, total)
     frozen_j = place_replicated(dict(frozen), mesh)
-    static_opts = {k: opts[k] for k in ("rollout", "step_decay", "ce_weight", "reg_weight")}
+    static_opts = {k: opts[k] for k in ("rollout", "step_decay", "ce_weight", "reg_weight", "feature_noise")}
 
     def train_step(params, opt_state, batch, frozen_j):
         (loss, metrics), grads = jax.value_and_grad(rollout_loss, has_aux=True)(params, batch, frozen_j, cfg,
@@ -335,8 +350,11 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
         starts = train_set.starts[order[j * opts["batch"]:(j + 1) * opts["batch"]]]
         if len(starts) < opts["batch"]:
             starts = rng.choice(train_set.starts, opts["batch"])
-        params, opt_state, loss, m = train_step(params, opt_state,
-                                               place_batch(train_set.batch(starts), mesh), frozen_j)
+        batch = train_set.batch(starts)
+        if opts["feature_noise"] > 0:  # per-row keys from (seed, step): a resumed run draws the same noise
+            batch["noise_key"] = np.asarray(jax.random.split(
+                jax.random.fold_in(jax.random.PRNGKey(opts["seed"]), step), opts["batch"]))
+        params, opt_state, loss, m = train_step(params, opt_state, place_batch(batch, mesh), frozen_j)
         step += 1
         bar.update(1)
         if step % 10 == 0:
