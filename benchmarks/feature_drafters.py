@@ -12,8 +12,8 @@ mean accepted length, acceptance per depth, drafter passes and drafter states pe
 draft utilisation (accepted drafts / drafter states), reused states, and token-identity to `ar`.
 A step-time split (target verification pass vs drafter) comes from the measured cost of a target
 pass at the verified tree size. ``hsd:POLICY`` selects the chain refresh policy. ``--variant
-LABEL=METHOD:CHECKPOINT`` adds a method with another drafter checkpoint under its own label (drafter
-ablations side by side). ``--acceptance-only`` skips the pass-cost timing and the speed columns: the
+LABEL=METHOD[,depth=D,width=W,budget=B]:CHECKPOINT`` adds a method with another drafter checkpoint
+(``-``: the shipped one) and tree under its own label (ablations side by side). ``--acceptance-only`` skips the pass-cost timing and the speed columns: the
 acceptance figures and the identity check do not depend on timing, so such a run may share the CPUs
 with other work. Question reading, the
 runners, the interleaving and the arithmetic are ``hsdjax.bench``'s.
@@ -49,15 +49,29 @@ def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None =
     return LocalMethod(gen)
 
 
-def parse_variant(text: str) -> tuple[str, str, str]:
-    """``LABEL=METHOD:CHECKPOINT`` -> (label, method, checkpoint path)."""
+def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
+    """``LABEL=METHOD[,KEY=VALUE...]:CHECKPOINT`` -> (label, method, options); CHECKPOINT ``-`` is the
+    shipped drafter; KEY is depth, width, budget (integers) or min_prob."""
     label, eq, rest = text.partition("=")
-    method, colon, path = rest.partition(":")
+    head, colon, path = rest.partition(":")
+    method, *pairs = head.split(",")
+    usage = f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,min_prob=P]:CHECKPOINT|-"
     if not (eq and colon and label and method in ("hsd", "eagle") and path):
-        raise SystemExit(f"--variant {text!r}: expected LABEL=hsd:CHECKPOINT or LABEL=eagle:CHECKPOINT")
-    if not Path(path).is_file():
-        raise SystemExit(f"--variant {text!r}: no such checkpoint {path}")
-    return label, method, path
+        raise SystemExit(usage)
+    opts: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            opts[key] = float(value) if key == "min_prob" else int(value)
+        except ValueError:
+            raise SystemExit(usage) from None
+        if key not in ("depth", "width", "budget", "min_prob"):
+            raise SystemExit(usage)
+    if path != "-":
+        if not Path(path).is_file():
+            raise SystemExit(f"--variant {text!r}: no such checkpoint {path}")
+        opts["drafter"] = path
+    return label, method, opts
 
 
 def dev_prompts(ar: Any, limit: int, max_new: int) -> list[tuple[str, list[int]]]:
@@ -185,8 +199,9 @@ def main() -> int:
     p.add_argument("--min-prob", type=float, default=None)
     p.add_argument("--hsd-drafter", default=None)
     p.add_argument("--eagle-drafter", default=None)
-    p.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD:CHECKPOINT",
-                   help="add METHOD (hsd or eagle) with this drafter checkpoint, shown as LABEL (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD[,KEY=V...]:CHECKPOINT",
+                   help="add METHOD (hsd or eagle) with this drafter checkpoint ('-': the shipped one) and tree "
+                        "options (depth, width, budget, min_prob), shown as LABEL (repeatable)")
     p.add_argument("--acceptance-only", action="store_true",
                    help="acceptance and identity only: no pass-cost timing, no speed columns")
     p.add_argument("--json-out", default=None)
@@ -201,8 +216,8 @@ def main() -> int:
     for spec in args.methods.split(","):
         path = args.hsd_drafter if spec.startswith("hsd") else args.eagle_drafter if spec == "eagle" else None
         runners.append(make_runner(model, spec, {**opts, "drafter": path} if path else opts))
-    for label, method, path in map(parse_variant, args.variant):
-        runners.append(make_runner(model, method, {**opts, "drafter": path}, label))
+    for label, method, extra in map(parse_variant, args.variant):
+        runners.append(make_runner(model, method, {**opts, **extra}, label))
     ar = next(r for r in runners if r.name == "ar")
     prompts = dev_prompts(ar.gen, args.limit, args.max_new_tokens)
     rows = run_interleaved(runners, prompts, args.max_new_tokens)
