@@ -82,6 +82,20 @@ def options_for(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ tuned settings
 
 
+SHIPPED_TUNED = Path(__file__).parent / "drafters" / "checkpoints" / "tuned.json"
+
+
+def shipped_tuned(model_name: str, method: str) -> dict[str, Any]:
+    """The tree sizes measured by `hsdjax tune` for a registered model's shipped drafter (or a method
+    without one) on this kind of device, as they ship in ``drafters/checkpoints/tuned.json``; {} when
+    none were measured here."""
+    try:
+        entry = json.loads(SHIPPED_TUNED.read_text())[model_name][method][jax.default_backend()]
+        return {k: int(entry[k]) for k in TREE_SIZES if k in entry}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def tuned_path(fingerprint: str, method: str) -> Path:
     """Where ``hsdjax tune --write`` keeps a model's setting for a method on this kind of device."""
     return cache_dir("tuned") / f"{fingerprint[:16]}-{method}-{jax.default_backend()}.json"
@@ -148,10 +162,14 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
 
 
 def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The method's defaults, then the tuned setting when no tree size is given, then the sizes given."""
+    """The method's defaults; when no tree size is given, the setting shipped for the model's own
+    drafter on this kind of device (not for a ``drafter`` checkpoint given explicitly), then this
+    machine's own ``hsdjax tune --write`` setting; then the sizes given."""
     setting = dict(REGISTRY[method].defaults)
     sizes = {k: given[k] for k in TREE_SIZES if k in given}
     if not sizes and setting:
+        if "drafter" not in given:
+            setting.update(shipped_tuned(model.name, method))
         setting.update(load_tuned(model.fingerprint, method))
     for key, value in sizes.items():
         if value < 1 or value > 64:

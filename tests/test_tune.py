@@ -63,3 +63,36 @@ def test_tune_pld_expected_rate_follows_measured_acceptance(qfile, tuned_dir):
 def test_tune_rejects_methods_without_a_tree(qfile):
     with pytest.raises(HsdjaxError, match="tune supports"):
         tune_mod.tune("smollm2-135m", "ar", [str(qfile)])
+
+
+def test_shipped_setting_applies_to_the_shipped_drafter_only(tuned_dir, smollm, tmp_path, monkeypatch):
+    import jax
+
+    from hsdjax.drafters.checkpoint import shipped_path
+
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"smollm2-135m": {"hsd": {jax.default_backend(): {"depth": 2, "width": 2,
+                                                                                      "budget": 3}}}}))
+    monkeypatch.setattr(methods, "SHIPPED_TUNED", shipped)
+    size = lambda d: (d.depth, d.width, d.budget)  # noqa: E731
+    defaults = methods.REGISTRY["hsd"].defaults
+    assert size(make_drafter("hsd", smollm)[0]) == (2, 2, 3)
+    explicit = make_drafter("hsd", smollm, drafter=str(shipped_path("smollm2-135m", "hsd")))[0]
+    assert size(explicit) == (defaults["depth"], defaults["width"], defaults["budget"])  # not measured for it
+    assert size(make_drafter("eagle", smollm)[0]) == (defaults["depth"], defaults["width"], defaults["budget"])
+    assert make_drafter("hsd", smollm, budget=4)[0].budget == 4  # explicit sizes win
+    methods.write_tuned(smollm.fingerprint, "hsd", {"depth": 3, "width": 2, "budget": 4})
+    assert size(make_drafter("hsd", smollm)[0]) == (3, 2, 4)  # this machine's own tuning wins
+
+
+def test_the_shipped_settings_name_shipped_drafters():
+    data = json.loads(methods.SHIPPED_TUNED.read_text())
+    for model, per_method in data.items():
+        if model.startswith("_"):
+            continue
+        for method, per_backend in per_method.items():
+            assert method in methods.TREE_METHODS, (model, method)
+            if method in methods.FEATURE_METHODS:
+                assert methods.has_shipped_drafter(model, method), (model, method)
+            for backend, sizes in per_backend.items():
+                assert set(sizes) <= set(methods.TREE_SIZES) and all(1 <= v <= 64 for v in sizes.values()), sizes
