@@ -64,7 +64,9 @@ def test_generate_hsd_json_reports_drafter_work():
     """The shipped hsd drafter of the default model: lossless against ar, and its counters."""
     prompt = "List three primary colors."
     ar = run("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json")
-    hsd = run("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--method", "hsd")
+    # a tree deep enough for the chain and its reuse to run (the CPU's tuned default drafts one token)
+    hsd = run("generate", "--prompt", prompt, "--max-new-tokens", "40", "--json", "--method", "hsd", "--depth", "4",
+              "--budget", "5")
     assert ar.returncode == 0 and hsd.returncode == 0, hsd.stderr
     a, h = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (ar, hsd))
     assert h["text"] == a["text"]
