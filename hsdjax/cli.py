@@ -397,6 +397,12 @@ def _add_serve_parser(sub: Any) -> None:
     s.add_argument("--spec-max-active", default="auto", metavar="N|auto|none",
                    help="speculate only while at most N rows are busy, plain decoding above (pld only); "
                         "auto (default): 1 on CPU, no limit on GPU/TPU; none: always speculate")
+    s.add_argument("--prefill-chunk", type=_int_at_least(32, 32768), default=256,
+                   help="prompt tokens prefilled between two decode calls while other requests generate, so a "
+                        "long prompt does not stall them (default 256)")
+    s.add_argument("--prefix-cache-mb", type=_float_in(0.0, 1e7), default=256.0,
+                   help="device memory for reusing earlier prompts' prefixes (multi-turn chat, shared system "
+                        "prompts); 0 turns prefix reuse off (default 256)")
     s.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at start-up")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")

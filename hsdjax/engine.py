@@ -161,6 +161,75 @@ def first_token(gen: GenState, logits: Float[Array, "B V"], spare: int) -> GenSt
     return gen.replace(done=gen.done | finished(first, gen.n_out, gen, gen.cache, spare))
 
 
+@struct.dataclass
+class PromptFill:
+    """A prompt being prefilled, possibly in pieces (chunked prefill) and after a reused prefix: the
+    target cache filled so far (``cache.length`` tokens per row) and the target states of those
+    positions that drafters read (``hidden`` [B, P, E], ``layers`` [F, B, P, E] for ``keep_layers``),
+    in buffers of the prompt bucket P."""
+
+    cache: KVCache
+    hidden: Float[Array, "B P E"]
+    layers: Float[Array, "F B P E"] | None
+
+
+def empty_fill(cfg: ModelConfig, batch: int, prompt_bucket: int, cache_size: int,
+               keep_layers: tuple[int, ...] = ()) -> PromptFill:
+    """Nothing filled yet."""
+    dt = jnp.dtype(cfg.dtype)
+    layers = jnp.zeros((len(keep_layers), batch, prompt_bucket, cfg.hidden_size), dt) if keep_layers else None
+    return PromptFill(cache=init_cache(cfg, batch, cache_size), hidden=jnp.zeros((batch, prompt_bucket, cfg.hidden_size), dt),
+                      layers=layers)
+
+
+def _write_at(buf: Array, upd: Array, start: Int[Array, " B"], axis: int) -> Array:
+    """``upd`` written into ``buf`` from ``start[b]`` on along ``axis`` (rows on axis ``axis - 1``)."""
+    def one(row, u, s):
+        return jax.lax.dynamic_update_slice(row, u.astype(row.dtype), (0,) * (axis - 1) + (s,) + (0,) * (row.ndim - axis))
+    return jax.vmap(one, in_axes=(axis - 1, axis - 1, 0), out_axes=axis - 1)(buf, upd, start)
+
+
+def fill_piece(params: dict[str, Any], fill: PromptFill, piece: Int[Array, "B C"], piece_len: Int[Array, " B"], *,
+               cfg: ModelConfig, keep_layers: tuple[int, ...] = (), fresh: bool = False) -> PromptFill:
+    """Run the next ``piece_len[b]`` prompt tokens of each row (right-padded to C) over its filled
+    prefix: their keys/values join the cache, their states the ``hidden``/``layers`` buffers. All C
+    slots from ``cache.length`` on are written, so ``cache.length + C`` must fit the buffers (the
+    piece plan of ``piece_sizes`` guarantees it). ``fresh`` (static): nothing is filled yet, so the
+    pass skips attention to the (empty) cache."""
+    b, c = piece.shape
+    start = fill.cache.length
+    positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    fwd = Transformer(cfg).apply({"params": params}, piece, positions, causal_mask(piece_len, c),
+                                 None if fresh else fill.cache, keep_layers=keep_layers)
+    keep = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+    cache = commit(fill.cache, fwd["k"], fwd["v"], keep, piece_len)
+    hidden = _write_at(fill.hidden, fwd["hidden"], start, 1)
+    layers = _write_at(fill.layers, fwd["layers"], start, 2) if keep_layers else fill.layers
+    return PromptFill(cache=cache, hidden=hidden, layers=layers)
+
+
+def fill_done(params: dict[str, Any], fill: PromptFill, prompt: Int[Array, "B P"], max_new: Int[Array, " B"],
+              sampling: SamplingParams, keys: UInt[Array, "B 2"], stop_ids: Int[Array, " M"], *, cfg: ModelConfig,
+              spare: int = 1, top_logprobs: int | None = None) -> tuple[GenState, dict[str, Array]]:
+    """The generation state of a filled prompt (``cache.length`` = the prompt length per row): each
+    row's first new token from its last prompt position, and the drafters' prompt states."""
+    prompt_len = fill.cache.length
+    b, p = prompt.shape
+    cache_size = fill.cache.size
+    hidden_last = jnp.take_along_axis(fill.hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+    logits = Transformer(cfg).apply({"params": params}, hidden_last, method=Transformer.logits)
+    seq = jnp.zeros((b, cache_size), jnp.int32).at[:, :p].set(prompt)
+    logprobs = None if top_logprobs is None else TokenLogprobs.zeros(b, cache_size, top_logprobs)
+    state = GenState(cache=fill.cache, seq=seq, seq_len=prompt_len, prompt_len=prompt_len, done=max_new <= 0,
+                     max_new=max_new, keys=keys, sampling=sampling, stop_ids=stop_ids, logprobs=logprobs)
+    state = first_token(state, logits, spare)
+    # Only what drafters use leaves the program (the per-layer states of a long prompt are large).
+    out = {"hidden": fill.hidden}
+    if fill.layers is not None:
+        out["layers"] = fill.layers
+    return state, out
+
+
 @partial(jax.jit, static_argnames=("cfg", "cache_size", "spare", "keep_layers", "top_logprobs"))
 def prefill(
     params: dict[str, Any],
@@ -184,25 +253,36 @@ def prefill(
     prompt's final hidden states (``hidden`` [B, P, E]) and, for drafters that read them, the states
     of the ``keep_layers`` (``layers`` [F, B, P, E]). ``top_logprobs`` K (static): the state records
     every generated token's ``TokenLogprobs`` with the K most likely tokens (None: records nothing).
+    One piece of ``fill_piece`` then ``fill_done``; the server runs the same two in pieces
+    (``prefill_piece`` / ``prefill_done``).
     """
-    model = Transformer(cfg)
     b, p = prompt.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    fwd = model.apply({"params": params}, prompt, positions, causal_mask(prompt_len, p), keep_layers=keep_layers)
-    cache = commit(init_cache(cfg, b, cache_size), fwd["k"], fwd["v"], positions, prompt_len)
-    last = (prompt_len - 1)[:, None]
-    hidden_last = jnp.take_along_axis(fwd["hidden"], last[:, :, None], axis=1)[:, 0]
-    logits = model.apply({"params": params}, hidden_last, method=Transformer.logits)
-    seq = jnp.zeros((b, cache_size), jnp.int32).at[:, :p].set(prompt)
-    logprobs = None if top_logprobs is None else TokenLogprobs.zeros(b, cache_size, top_logprobs)
-    state = GenState(cache=cache, seq=seq, seq_len=prompt_len, prompt_len=prompt_len, done=max_new <= 0,
-                     max_new=max_new, keys=keys, sampling=sampling, stop_ids=stop_ids, logprobs=logprobs)
-    state = first_token(state, logits, spare)
-    # Only what drafters use leaves the program (the per-layer states of a long prompt are large).
-    out = {"hidden": fwd["hidden"]}
-    if keep_layers:
-        out["layers"] = fwd["layers"]
-    return state, out
+    fill = empty_fill(cfg, b, p, cache_size, keep_layers)
+    fill = fill_piece(params, fill, prompt, prompt_len, cfg=cfg, keep_layers=keep_layers, fresh=True)
+    return fill_done(params, fill, prompt, max_new, sampling, keys, stop_ids, cfg=cfg, spare=spare,
+                     top_logprobs=top_logprobs)
+
+
+start_fill = jax.jit(empty_fill, static_argnums=(0, 1, 2, 3, 4))
+prefill_piece = jax.jit(fill_piece, static_argnames=("cfg", "keep_layers", "fresh"), donate_argnames=("fill",))
+prefill_done = jax.jit(fill_done, static_argnames=("cfg", "spare", "top_logprobs"))
+
+
+def piece_sizes(start: int, end: int, limit: int) -> list[int]:
+    """How a prompt's positions ``start`` .. ``end`` - 1 are prefilled in pieces of at most ``limit``
+    tokens: each piece is a power of two (>= 32, so a few compiled programs serve every prompt) that
+    starts at a multiple of itself, so padding never runs past the prompt bucket. ``start`` must be a
+    multiple of 32. Returns the padded piece sizes; the last one may hold fewer than its size."""
+    if start % 32:
+        raise ValueError(f"a prompt piece must start at a multiple of 32 (got {start})")
+    sizes, at = [], start
+    while at < end:
+        size = 32
+        while size * 2 <= limit and at % (size * 2) == 0 and size < end - at:
+            size *= 2
+        sizes.append(size)
+        at += size
+    return sizes
 
 
 @partial(jax.jit, static_argnames=("cfg", "spare"))

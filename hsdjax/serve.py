@@ -162,7 +162,8 @@ def spec_max_active_setting(value: int | str | None) -> int | None:
 def build(model_name: str | None = None, method: str = "pld", *, dtype: str | None = None,
           max_batch: int = 8, max_queue: int = 64, max_context: int = 2048, rounds: int = 4,
           spec_max_active: int | str | None = "auto", method_options: dict[str, Any] | None = None,
-          warmup: bool = True, mesh: Any = None, **app_options: Any) -> tuple[Any, Any]:
+          warmup: bool = True, mesh: Any = None, prefill_chunk: int = 256, prefix_cache_mb: float = 256.0,
+          **app_options: Any) -> tuple[Any, Any]:
     """Load the model (sharded over ``mesh`` when given), create the scheduler (not started) and the
     FastAPI app (``app_options``: ``create_app``'s keyword arguments)."""
     from hsdjax.api import load_model
@@ -178,7 +179,7 @@ def build(model_name: str | None = None, method: str = "pld", *, dtype: str | No
     model = load_model(model_name, dtype=dtype, mesh=mesh)
     sched = Scheduler(model, method, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
                       rounds=rounds, spec_max_active=spec_max_active, method_options=method_options,
-                      metrics=Metrics(), warmup=warmup)
+                      metrics=Metrics(), warmup=warmup, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
     return create_app(sched, model.name, **app_options), sched
 
 
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     app, sched = build(args.model, args.method, dtype=args.dtype, max_batch=args.max_batch,
                        max_queue=args.max_queue, max_context=args.max_context, rounds=args.rounds,
                        spec_max_active=args.spec_max_active, method_options=options, warmup=not args.no_warmup,
-                       mesh=mesh, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                       mesh=mesh, prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb, api_key=api_key, max_body_bytes=args.max_body_bytes,
                        allowed_hosts=allowed_hosts_setting(args.host, args.allowed_hosts),
                        body_timeout_s=args.body_timeout_s)
     log.info("loaded %s in %.1fs; method %s, batch <= %d, queue <= %d, context %d tokens; compiling",

@@ -338,7 +338,7 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
             while True:
                 kind, payload = await req.queue.get()
                 if kind == "done":
-                    use = usage(payload["prompt_tokens"], payload["completion_tokens"])
+                    use = usage(payload["prompt_tokens"], payload["completion_tokens"], payload["cached_tokens"])
                     return JSONResponse(builder.full(payload["choices"], use, payload["hsdjax"]))
                 if kind == "error":
                     return error_response(payload)
@@ -368,7 +368,7 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
                         yield _sse(builder.chunk(None, c["finish_reason"], index=c["index"],
                                                  include_usage=include_usage, extra=extra))
                     if include_usage:
-                        use = usage(payload["prompt_tokens"], payload["completion_tokens"])
+                        use = usage(payload["prompt_tokens"], payload["completion_tokens"], payload["cached_tokens"])
                         yield _sse(builder.usage_chunk(use, payload["hsdjax"]))
                     break
                 else:  # an error after the stream started: an error event, then the end

@@ -34,12 +34,14 @@ from hsdjax.api import BATCH_BUCKETS, Generator, LoadedModel, token_logprobs
 from hsdjax.drafters.base import ARDrafter, Drafter
 from hsdjax.sampling import SamplingParams
 from hsdjax.serving.metrics import Metrics
+from hsdjax.serving.prefix_cache import BLOCK, PrefixCache, block_bytes
 from hsdjax.serving.protocol import APIError
 from hsdjax.serving.text import TextStream
 
 log = logging.getLogger("hsdjax.serve")
 
 WARM_PROMPT_BUCKETS = (32, 64, 128)  # prompt buckets compiled at start-up (chat prompts are mostly here)
+WHOLE_PIECE = 2048  # the largest prompt piece run while no row decodes (nothing to interleave with)
 MAX_TOP_LOGPROBS = 20  # most likely tokens recorded per generated token (OpenAI's top_logprobs limit)
 
 
@@ -70,6 +72,7 @@ class GenRequest:
     t_admitted: float | None = None
     t_first: float | None = None
     counted: int = 0  # completion tokens already added to the metrics
+    cached: int = 0  # prompt tokens reused from the prefix cache
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -98,6 +101,15 @@ class Choice:
     def result(self) -> dict[str, Any]:
         return {"index": self.index, "text": self.stream.text, "finish_reason": self.finish_reason,
                 "logprobs": self.logprobs if self.req.top_logprobs is not None else None}
+
+
+@dataclasses.dataclass(eq=False)
+class Filling:
+    """A request whose prompt is being prefilled, piece by piece, between decode calls."""
+
+    req: GenRequest
+    fill: engine.PromptFill
+    filled: int  # prompt positions in the cache (reused ones included)
 
 
 @dataclasses.dataclass
@@ -138,7 +150,8 @@ class Scheduler:
     def __init__(self, model: LoadedModel, method: str = "pld", *, max_batch: int = 8, max_queue: int = 64,
                  max_context: int = 2048, rounds: int = 4, spec_max_active: int | None = None,
                  method_options: dict[str, Any] | None = None, metrics: Metrics | None = None,
-                 warmup: bool = True, shrink_after: int = 2, top_logprobs: int | None = MAX_TOP_LOGPROBS):
+                 warmup: bool = True, shrink_after: int = 2, top_logprobs: int | None = MAX_TOP_LOGPROBS,
+                 prefill_chunk: int = 256, prefix_cache_mb: float = 256.0):
         self.generator = Generator(model, method=method, **(method_options or {}))
         self.model, self.method = model, method
         self.cfg, self.params = model.cfg, model.params
@@ -157,6 +170,13 @@ class Scheduler:
         self._stop_set = frozenset(self.tokenizer.stop_ids)
         self.top_logprobs = top_logprobs  # K recorded per token by every row (None: logprobs unavailable)
         self._warmup_on, self._shrink_after = warmup, shrink_after
+        if prefill_chunk < 32:
+            raise ValueError(f"the prefill chunk must be at least 32 tokens (got {prefill_chunk})")
+        self.prefill_chunk = prefill_chunk  # prompt tokens run between two decode calls of a busy batch
+        layers = len(self.drafter.prompt_layers)
+        blocks = int(prefix_cache_mb * 2**20) // block_bytes(self.cfg, layers)
+        self.prefix = PrefixCache(self.cfg, blocks, layers) if blocks > 0 else None
+        self._filling: collections.deque[Filling] = collections.deque()
         self._cond = threading.Condition()
         self._waiting: collections.deque[GenRequest] = collections.deque()
         self._occupied = 0  # rows in use, plus requests taken off the queue and being prefilled
@@ -217,6 +237,7 @@ class Scheduler:
                     break
             try:
                 self._admit()
+                self._fill_some()
                 if self._slots and any(r is not None for r in self._slots):
                     self._step()
                 self._resize()
@@ -226,17 +247,28 @@ class Scheduler:
         self._fail_all(None)
 
     def _warmup(self) -> None:
-        """Compile what the first requests need: decode at every batch bucket (and its plain variant),
-        prefill for short prompts (``WARM_PROMPT_BUCKETS``), and the row insert/resize functions."""
+        """Compile what the first requests need: prompt pieces (those of short prompts, and every piece
+        size a busy batch interleaves), the prefill's end and drafter start for short prompts
+        (``WARM_PROMPT_BUCKETS``), decode at every batch bucket (and its plain variant), the row
+        insert/resize functions, and the prefix cache's copies of a few blocks."""
         t0 = time.perf_counter()
         bos = self.tokenizer.encode("Hi", add_special_tokens=True) or [0]
         new = None
         for p_bucket in WARM_PROMPT_BUCKETS:
             if p_bucket <= self.cache_size:
-                new = self._prefill(GenRequest(id="warm-up", prompt_ids=(bos * p_bucket)[: p_bucket // 2 + 1],
-                                               max_new=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, stops=[],
-                                               loop=None, queue=None))
+                r = GenRequest(id="warm-up", prompt_ids=(bos * p_bucket)[: p_bucket // 2 + 1], max_new=0,
+                               temperature=0.0, top_p=1.0, top_k=0, seed=0, stops=[], loop=None, queue=None)
+                new = self._prefill_now(r)
         assert new is not None
+        size = 32
+        while size <= min(self.prefill_chunk, self.cache_size):  # pieces after a first one (or a reused prefix)
+            self._run_piece(self._empty_fill(), [0] * size, 0, size, fresh=False)
+            size *= 2
+        if self.prefix is not None:
+            for blocks in (1, 2, 4):
+                if blocks * BLOCK < self.cache_size:
+                    self.prefix.load(self._empty_fill(), [0] * blocks)
+            self.prefix.clear()  # the warm-up prompts are not worth keeping
         for b in self.buckets:
             rows = jnp.asarray([0] + [-1] * (b - 1), jnp.int32)
             state = engine.take_rows(new, rows)
@@ -248,9 +280,43 @@ class Scheduler:
             jax.block_until_ready(state)
         log.info("warm-up (compilation) took %.1fs", time.perf_counter() - t0)
 
-    def _prefill(self, r: GenRequest) -> engine.DecodeState:
-        """Prefill ``r``'s prompt once into a state of its ``n`` rows (the smallest batch bucket holding
-        them; rows beyond n are spare copies that ``_place`` drops); row i draws with ``choice_keys``' i."""
+    def _empty_fill(self) -> engine.PromptFill:
+        """A one-row prompt fill whose buffers are as long as the cache (so piece programs do not depend
+        on the prompt's bucket)."""
+        return engine.start_fill(self.cfg, 1, self.cache_size, self.cache_size, self.drafter.prompt_layers)
+
+    def _run_piece(self, fill: engine.PromptFill, prompt_ids: list[int], start: int, size: int,
+                   fresh: bool) -> engine.PromptFill:
+        """Prompt positions ``start`` .. ``start + size`` (fewer at the prompt's end) into ``fill``."""
+        n = min(size, len(prompt_ids) - start)
+        piece = np.zeros((1, size), np.int32)
+        piece[0, :n] = prompt_ids[start: start + n]
+        return engine.prefill_piece(self.params, fill, jnp.asarray(piece), jnp.asarray([n], jnp.int32),
+                                    cfg=self.cfg, keep_layers=self.drafter.prompt_layers, fresh=fresh)
+
+    def _start_filling(self, r: GenRequest) -> Filling:
+        """A request's prompt fill, starting from the longest prefix the prefix cache holds."""
+        fill = self._empty_fill()
+        if self.prefix is not None:
+            slots = self.prefix.match(r.prompt_ids)
+            fill = self.prefix.load(fill, slots)
+            r.cached = len(slots) * BLOCK
+        return Filling(req=r, fill=fill, filled=r.cached)
+
+    def _fill_step(self, f: Filling, limit: int) -> int:
+        """Run the next piece of ``f``'s prompt (at most ``limit`` tokens, padded); returns its size."""
+        size = engine.piece_sizes(f.filled, len(f.req.prompt_ids), limit)[0]
+        f.fill = self._run_piece(f.fill, f.req.prompt_ids, f.filled, size, fresh=f.filled == 0)
+        f.filled = min(f.filled + size, len(f.req.prompt_ids))
+        return size
+
+    def _prefill_done(self, f: Filling) -> engine.DecodeState:
+        """The filled prompt's rows, ready to decode: store its blocks in the prefix cache, draw the
+        first token, fork into ``n`` rows (the smallest batch bucket holding them; rows beyond n are
+        spare copies that ``_place`` drops; row i draws with ``choice_keys``' i), start the drafter."""
+        r = f.req
+        if self.prefix is not None:
+            self.prefix.store(r.prompt_ids, f.fill, f.filled)
         nb = engine.pick_bucket(r.n, self.buckets, "a batch")
         p_bucket = min(engine.pick_bucket(len(r.prompt_ids), engine.PROMPT_BUCKETS, "a prompt"), self.cache_size)
         prompt = np.zeros((1, p_bucket), np.int32)
@@ -259,13 +325,20 @@ class Scheduler:
                                   top_k=jnp.asarray(np.array([r.top_k], np.int32)),
                                   top_p=jnp.asarray(np.array([r.top_p], np.float32)))
         keys = choice_keys(r.seed, nb)
-        gen, fwd = engine.prefill(self.params, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids)], jnp.int32),
-                                  jnp.asarray([r.max_new], jnp.int32), sampling, keys[:1], self.stop_ids,
-                                  cfg=self.cfg, cache_size=self.cache_size, spare=self.drafter.spare,
-                                  keep_layers=self.drafter.prompt_layers, top_logprobs=self.top_logprobs)
+        gen, fwd = engine.prefill_done(self.params, f.fill, jnp.asarray(prompt), jnp.asarray([r.max_new], jnp.int32),
+                                       sampling, keys[:1], self.stop_ids, cfg=self.cfg, spare=self.drafter.spare,
+                                       top_logprobs=self.top_logprobs)
+        fwd = {name: x[..., :p_bucket, :] for name, x in fwd.items()}  # the drafter reads the prompt bucket
         if nb > 1:
             gen, fwd = engine.fork_rows(self.params, gen, fwd, keys, cfg=self.cfg, spare=self.drafter.spare)
         return engine.start_decoding(self.dparams, gen, fwd, drafter=self.drafter)
+
+    def _prefill_now(self, r: GenRequest) -> engine.DecodeState:
+        """``r``'s whole prefill at once (warm-up)."""
+        f = self._start_filling(r)
+        while f.filled < len(r.prompt_ids):
+            self._fill_step(f, WHOLE_PIECE)
+        return self._prefill_done(f)
 
     def _take_waiting(self) -> list[GenRequest]:
         """Waiting requests (FIFO) whose rows fit in the free rows; clients gone while queued are dropped."""
@@ -285,38 +358,61 @@ class Scheduler:
         return batch
 
     def _admit(self) -> None:
-        """Move waiting requests into free rows (growing the batch bucket first when needed): one
-        batch-1 prefill per request (one compiled program per prompt bucket), then ``insert_rows``."""
-        batch = self._take_waiting()
-        if not batch:
-            return
-        busy = sum(c is not None for c in self._slots)
-        target = engine.pick_bucket(busy + sum(r.n for r in batch), self.buckets, "a batch")
-        if self._state is not None and target > len(self._slots):  # grow the running batch first
-            b = len(self._slots)
-            grow = np.arange(target, dtype=np.int32)
-            grow[b:] = -1
-            self._state = engine.take_rows(self._state, jnp.asarray(grow))
-            self._slots += [None] * (target - b)
-        for r in batch:
+        """Start the prefill of waiting requests that fit in the free rows (a reused prefix is loaded
+        at once; the rest of the prompt runs in pieces, see ``_fill_some``)."""
+        for r in self._take_waiting():
             try:
-                new = self._prefill(r)
+                self._filling.append(self._start_filling(r))
             except Exception:  # noqa: BLE001 - only this request fails
-                log.error("prefill failed:\n%s", traceback.format_exc())
+                self._prefill_failed(r)
+
+    def _fill_some(self) -> None:
+        """Advance the prompt fills, oldest first: while rows decode, at most ``prefill_chunk`` prompt
+        tokens per call (so a long prompt never stalls the running streams for more than one piece);
+        with nothing decoding, whole prompts. A finished fill's rows join the running batch and its
+        first token is sent."""
+        budget = self.prefill_chunk if any(c is not None for c in self._slots) else None
+        placed = False
+        while self._filling and (budget is None or budget > 0):
+            f = self._filling[0]
+            r = f.req
+            if r.cancelled.is_set():
+                self._filling.popleft()
                 with self._cond:
                     self._occupied -= r.n
-                self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
-                r.send(("error", APIError(500, "the prefill failed; see the server log", type="server_error")))
+                self._finish(r, "cancelled")
                 continue
-            self._place(r, new, target)
-        self._small_for = 0
-        if self._state is not None:
+            try:
+                if f.filled < len(r.prompt_ids):
+                    spent = self._fill_step(f, WHOLE_PIECE if budget is None else budget)
+                    budget = None if budget is None else budget - spent
+                if f.filled < len(r.prompt_ids):
+                    continue
+                self._filling.popleft()
+                new = self._prefill_done(f)
+            except Exception:  # noqa: BLE001 - only this request fails
+                if self._filling and self._filling[0] is f:
+                    self._filling.popleft()
+                self._prefill_failed(r)
+                continue
+            self._place(r, new)
+            placed = True
+        if placed:
+            self._small_for = 0
             self._collect()  # the first token comes from the prefill
 
-    def _place(self, r: GenRequest, new: engine.DecodeState, target: int) -> None:
-        """Write ``r``'s prefilled rows into free rows of the running state (creating it at ``target``
-        rows when there is none) and give each its ``Choice``."""
+    def _prefill_failed(self, r: GenRequest) -> None:
+        log.error("prefill failed:\n%s", traceback.format_exc())
+        with self._cond:
+            self._occupied -= r.n
+        self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
+        r.send(("error", APIError(500, "the prefill failed; see the server log", type="server_error")))
+
+    def _place(self, r: GenRequest, new: engine.DecodeState) -> None:
+        """Write ``r``'s prefilled rows into free rows of the running state (creating it, or growing
+        its batch bucket, when there is no room) and give each its ``Choice``."""
         if self._state is None:
+            target = engine.pick_bucket(r.n, self.buckets, "a batch")
             self._slots = [None] * target
             rows = np.full((target,), -1, np.int32)
             rows[: r.n] = np.arange(r.n)
@@ -324,6 +420,14 @@ class Scheduler:
             self._state = new if same else engine.take_rows(new, jnp.asarray(rows))
             free = list(range(r.n))
         else:
+            busy = sum(c is not None for c in self._slots)
+            target = engine.pick_bucket(busy + r.n, self.buckets, "a batch")
+            if target > len(self._slots):  # grow the running batch first
+                b = len(self._slots)
+                grow = np.arange(target, dtype=np.int32)
+                grow[b:] = -1
+                self._state = engine.take_rows(self._state, jnp.asarray(grow))
+                self._slots += [None] * (target - b)
             free = [i for i, c in enumerate(self._slots) if c is None][: r.n]
             slots = free + [len(self._slots)] * (new.gen.seq_len.shape[0] - r.n)  # spare copies: dropped
             self._state = engine.insert_rows(self._state, new, jnp.asarray(slots, jnp.int32))
@@ -436,6 +540,7 @@ class Scheduler:
         info = {
             "choices": [c.result() for c in r.choices],
             "prompt_tokens": len(r.prompt_ids),
+            "cached_tokens": r.cached,
             "completion_tokens": sum(c.stream.tokens for c in r.choices),
             "hsdjax": {
                 "method": self.method,
@@ -474,9 +579,10 @@ class Scheduler:
     def _fail_all(self, exc: Exception | None) -> None:
         err = (APIError(500, "generation failed; see the server log", type="server_error") if exc is not None
                else APIError(503, "the server is shutting down", type="server_error"))
-        for r in dict.fromkeys(c.req for c in self._slots if c is not None):
+        running = [c.req for c in self._slots if c is not None] + [f.req for f in self._filling]
+        for r in dict.fromkeys(running):
             self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
             r.send(("error", err))
         with self._cond:
             self._occupied = 0
-        self._state, self._slots = None, []
+        self._state, self._slots, self._filling = None, [], collections.deque()
