@@ -4,6 +4,8 @@
     python benchmarks/serve_load.py --variants ar,pld,pld@1 --clients 1,4,16 --requests 2 --max-tokens 64
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --variants pld   # an already running server
     python benchmarks/serve_load.py --questions ../shared/data/eval/mt_bench.jsonl --limit 16
+    python benchmarks/serve_load.py --scenario multiturn --variants ar --max-context 2048   # prefix reuse
+    python benchmarks/serve_load.py --scenario arrival --variants ar --max-context 2048     # chunked prefill
 
 A variant is a method (``ar``, ``pld``, ``sps``), optionally ``@N`` for ``--spec-max-active N``
 (speculate only while at most N rows are busy; ``@none``: always speculate; no suffix: the server's
@@ -70,12 +72,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, method: str, spec_max_active: str | None
+def start_server(args: argparse.Namespace, method: str, spec_max_active: str | None, *extra: str
                  ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "hsdjax.cli", "serve", "--port", str(port), "--method", method,
            "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
-           "--max-context", str(args.max_context), "--rounds", str(args.rounds), "--log-level", "warning"]
+           "--max-context", str(args.max_context), "--rounds", str(args.rounds), "--log-level", "warning", *extra]
     if args.model:
         cmd += ["--model", args.model]
     if spec_max_active is not None:
@@ -96,12 +98,17 @@ def start_server(args: argparse.Namespace, method: str, spec_max_active: str | N
     raise SystemExit(f"server for {method} not ready")
 
 
-async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str | list[dict[str, str]],
+                      max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy chat completion: status, time to first content, total time, the arrival
+    times of its content chunks, its text and usage."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = None
     usage, extra = None, None
+    chunks, text = [], []
     async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             await resp.aread()
@@ -110,13 +117,19 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if event.get("choices") and ttft is None and event["choices"][0].get("delta", {}).get("content"):
-                ttft = time.perf_counter() - t0
+            content = event["choices"][0].get("delta", {}).get("content") if event.get("choices") else None
+            if content:
+                chunks.append(time.perf_counter())
+                text.append(content)
+                if ttft is None:
+                    ttft = chunks[-1] - t0
             if event.get("usage"):
                 usage, extra = event["usage"], event.get("hsdjax")
     total = time.perf_counter() - t0
     return {"status": 200, "ttft": ttft if ttft is not None else total, "total": total,
-            "tokens": usage["completion_tokens"] if usage else 0,
+            "tokens": usage["completion_tokens"] if usage else 0, "chunks": chunks, "text": "".join(text),
+            "prompt_tokens": usage["prompt_tokens"] if usage else 0,
+            "cached": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "accepted": (extra or {}).get("mean_accepted_length"), "passes": (extra or {}).get("target_passes")}
 
 
@@ -148,6 +161,126 @@ async def level(url: str, model: str, prompts: list[str], clients: int, requests
     }
 
 
+def long_documents(path: Path, lo_chars: int, hi_chars: int, count: int) -> list[str]:
+    """Meeting-transcript prompts (QMSum, in the shared training prompts) of lo..hi characters, in file
+    order: long first turns (about 4 characters a token)."""
+    out = []
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        if q.get("source") == "qmsum" and lo_chars <= len(q["prompt"]) <= hi_chars:
+            out.append(q["prompt"])
+            if len(out) == count:
+                break
+    if len(out) < count:
+        raise SystemExit(f"{path}: only {len(out)} QMSum prompts of {lo_chars}-{hi_chars} characters")
+    return out
+
+
+async def conversation(http: httpx.AsyncClient, url: str, model: str, document: str, max_tokens: int
+                       ) -> dict[str, Any]:
+    """A two-turn chat: the document and its question, then a follow-up on the answer."""
+    turn1 = [{"role": "user", "content": document}]
+    first = await one_request(http, url, model, turn1, max_tokens)
+    turn2 = turn1 + [{"role": "assistant", "content": first["text"]},
+                     {"role": "user", "content": "Now give that answer a title of at most eight words."}]
+    second = await one_request(http, url, model, turn2, max_tokens)
+    return {"turn1_tokens": first["prompt_tokens"], "turn2_tokens": second["prompt_tokens"], "ttft1": first["ttft"],
+            "ttft2": second["ttft"], "cached": second["cached"], "texts": (first["text"], second["text"])}
+
+
+def run_multiturn(args: argparse.Namespace) -> int:
+    """Turn-2 time to first token with prefix reuse and without (``--prefix-cache-mb 0``): both servers
+    run side by side and each conversation goes to one, then the other (interleaved pairs)."""
+    docs = long_documents(Path(args.documents), 3600, 4600, args.conversations + 1)
+    print(f"{'variant':<8} {'turn-1 tokens':>13} {'turn-2 tokens':>13} {'cached':>7} {'ttft2 reuse s':>13} "
+          f"{'ttft2 none s':>12} {'ratio':>6} {'same text':>9}", flush=True)
+    for method in args.variants.split(","):
+        servers = [start_server(args, method, None), start_server(args, method, None, "--prefix-cache-mb", "0")]
+        try:
+            model = httpx.get(f"{servers[0][1]}/v1/models", timeout=10).json()["data"][0]["id"]
+
+            async def pairs() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+                async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as http:
+                    for _, url in servers:  # untimed: compiles the shapes of these prompt lengths
+                        await conversation(http, url, model, docs[-1], args.max_tokens)
+                    return [(await conversation(http, servers[0][1], model, d, args.max_tokens),
+                             await conversation(http, servers[1][1], model, d, args.max_tokens)) for d in docs[:-1]]
+
+            results = asyncio.run(pairs())
+        finally:
+            for proc, _ in servers:
+                stop(proc)
+        for reuse, none in results:
+            print(f"{method:<8} {reuse['turn1_tokens']:>13} {reuse['turn2_tokens']:>13} {reuse['cached']:>7} "
+                  f"{reuse['ttft2']:>13.3f} {none['ttft2']:>12.3f} {none['ttft2'] / reuse['ttft2']:>5.1f}x "
+                  f"{str(reuse['texts'] == none['texts']):>9}", flush=True)
+        med = lambda key, i: percentile([pair[i][key] for pair in results], 0.5)  # noqa: E731
+        print(f"{method}: median turn-2 time to first token {med('ttft2', 0):.3f} s with reuse, {med('ttft2', 1):.3f} s "
+              f"without ({med('ttft2', 1) / med('ttft2', 0):.1f}x); identical answers: "
+              f"{sum(r['texts'] == n['texts'] for r, n in results)}/{len(results)}", flush=True)
+    return 0
+
+
+async def arrival(url: str, model: str, prompts: list[str], long_prompt: str, streams: int, max_tokens: int,
+                  delay: float) -> dict[str, Any]:
+    """``streams`` streaming requests run; after ``delay`` s a long prompt arrives. Gaps between the
+    streams' content chunks: in the 3 s before it arrived (all streams admitted and decoding), while it
+    was prefilled (from its arrival to its first token; without chunking there is none: one gap spans
+    the whole prefill), and the longest gap spanning its arrival or its admission (which includes its
+    first token and the batch's first decode call with its long row)."""
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
+        tasks = [asyncio.create_task(one_request(http, url, model, prompts[i % len(prompts)], max_tokens))
+                 for i in range(streams)]
+        await asyncio.sleep(delay)
+        sent = time.perf_counter()
+        long = await one_request(http, url, model, long_prompt, 8)
+        first = sent + long["ttft"]
+        results = await asyncio.gather(*tasks)
+    gaps = [(a, b) for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    before = [b - a for a, b in gaps if sent - 3.0 <= a and b <= sent]  # steady decoding, all admitted
+    during = [b - a for a, b in gaps if a >= sent and b <= first]  # while it was prefilled
+    stalled = [b - a for a, b in gaps if a < sent < b or a < first < b]  # spanning its arrival or admission
+    return {"long_tokens": long["prompt_tokens"], "long_ttft": long["ttft"], "before_p50": percentile(before, 0.5),
+            "during_p50": percentile(during, 0.5), "during_p99": percentile(during, 0.99), "during_n": len(during),
+            "edge_max": max(stalled, default=float("nan"))}
+
+
+def run_arrival(args: argparse.Namespace) -> int:
+    """Inter-chunk latency of running streams while a long prompt arrives, per ``--prefill-chunks``
+    value (one server each; 2048 prefills a 2,000-token prompt in one piece, as without chunking).
+    The batch has a row free for the long prompt (``--max-batch`` at least streams + 1), so the window
+    from its arrival to its first token is its prefill."""
+    long_prompt = "\n\n".join(long_documents(Path(args.documents), 4300, 4400, 2))  # about 2,000 tokens
+    args.max_batch = max(args.max_batch, args.streams + 1)  # a row for it at once: no wait in the queue
+    print(f"{'variant':<8} {'chunk':>5} {'long prompt':>11} {'its ttft s':>10} {'gap p50 before':>14} "
+          f"{'gap p50 during':>14} {'gap p99 during':>14} {'p99/p50':>7} {'edge gap max':>12}", flush=True)
+    for method in args.variants.split(","):
+        for chunk in args.prefill_chunks.split(","):
+            # no prefix reuse: the timed run would find the untimed run's prompt
+            proc, url = start_server(args, method, None, "--prefill-chunk", chunk, "--prefix-cache-mb", "0")
+            try:
+                model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+                run = lambda: asyncio.run(arrival(url, model, PROMPTS, long_prompt, args.streams,  # noqa: E731
+                                                  args.stream_tokens, args.delay))
+                run()  # untimed: compiles the pieces and the long prompt's buckets
+                r = run()
+            finally:
+                stop(proc)
+            print(f"{method:<8} {chunk:>5} {r['long_tokens']:>11} {r['long_ttft']:>10.2f} {r['before_p50']:>14.3f} "
+                  f"{r['during_p50']:>14.3f} {r['during_p99']:>14.3f} {r['during_p99'] / r['before_p50']:>6.1f}x "
+                  f"{r['edge_max']:>12.3f}", flush=True)
+    return 0
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if not args.questions:
         return PROMPTS
@@ -175,7 +308,22 @@ def main() -> int:
     p.add_argument("--questions", action="append", default=None, help="JSONL question files (turns[0] is used)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per level")
+    p.add_argument("--scenario", choices=("load", "multiturn", "arrival"), default="load",
+                   help="load: clients levels (default); multiturn: turn-2 time to first token with and without "
+                        "prefix reuse; arrival: running streams' latency while a long prompt arrives")
+    p.add_argument("--documents", default=str(ROOT.parent / "shared/data/train/prompts_more.jsonl"),
+                   help="where the long prompts come from (QMSum transcripts)")
+    p.add_argument("--conversations", type=int, default=4, help="multiturn: conversations per server (default 4)")
+    p.add_argument("--prefill-chunks", default="auto,64,2048",
+                   help="arrival: --prefill-chunk values (default auto,64,2048; 2048: one piece, as without chunking)")
+    p.add_argument("--streams", type=int, default=8, help="arrival: running streams (default 8)")
+    p.add_argument("--stream-tokens", type=int, default=256, help="arrival: max_tokens of the streams (default 256)")
+    p.add_argument("--delay", type=float, default=8.0, help="arrival: seconds before the long prompt (default 8)")
     args = p.parse_args()
+    if args.scenario == "multiturn":
+        return run_multiturn(args)
+    if args.scenario == "arrival":
+        return run_arrival(args)
     prompts = read_prompts(args)
     clients = [int(c) for c in args.clients.split(",")]
     rows = []
@@ -204,11 +352,7 @@ def main() -> int:
                           f"  {r['accepted'] if r['accepted'] is not None else '-':>8}", flush=True)
         finally:
             if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop(proc)
     by = {(r["variant"], r["clients"]): r["tokens_per_s"] for r in rows}
     for variant in args.variants.split(","):
         lo, hi = by.get((variant, min(clients))), by.get((variant, max(clients)))

@@ -380,6 +380,16 @@ COMMANDS = {"bench": cmd_bench, "tune": cmd_tune, "generate": cmd_generate, "cha
             "train-drafter": cmd_train_drafter}
 
 
+def _chunk_setting(text: str) -> int | None:
+    """``--prefill-chunk``: a number of tokens (>= 32) or ``auto`` (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return _int_at_least(32, 32768)(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens from 32 to 32768 ({exc})") from None
+
+
 def _add_serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, speculative decoding)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
@@ -397,9 +407,10 @@ def _add_serve_parser(sub: Any) -> None:
     s.add_argument("--spec-max-active", default="auto", metavar="N|auto|none",
                    help="speculate only while at most N rows are busy, plain decoding above (pld only); "
                         "auto (default): 1 on CPU, no limit on GPU/TPU; none: always speculate")
-    s.add_argument("--prefill-chunk", type=_int_at_least(32, 32768), default=256,
+    s.add_argument("--prefill-chunk", type=_chunk_setting, default=None, metavar="N|auto",
                    help="prompt tokens prefilled between two decode calls while other requests generate, so a "
-                        "long prompt does not stall them (default 256)")
+                        "long prompt does not stall them; auto (default): as many as take about one decode "
+                        "call, measured while serving")
     s.add_argument("--prefix-cache-mb", type=_float_in(0.0, 1e7), default=256.0,
                    help="device memory for reusing earlier prompts' prefixes (multi-turn chat, shared system "
                         "prompts); 0 turns prefix reuse off (default 256)")

@@ -271,14 +271,16 @@ prefill_done = jax.jit(fill_done, static_argnames=("cfg", "spare", "top_logprobs
 def piece_sizes(start: int, end: int, limit: int) -> list[int]:
     """How a prompt's positions ``start`` .. ``end`` - 1 are prefilled in pieces of at most ``limit``
     tokens: each piece is a power of two (>= 32, so a few compiled programs serve every prompt) that
-    starts at a multiple of itself, so padding never runs past the prompt bucket. ``start`` must be a
-    multiple of 32. Returns the padded piece sizes; the last one may hold fewer than its size."""
+    starts at a multiple of itself, so padding never runs past the prompt bucket, and no larger than
+    what is left (but 32), so a piece pads at most 31 positions (a 1,100-token prompt runs as
+    1024 + 64 + 32, not as one padded 2,048). ``start`` must be a multiple of 32. Returns the padded
+    piece sizes; the last one may hold fewer than its size."""
     if start % 32:
         raise ValueError(f"a prompt piece must start at a multiple of 32 (got {start})")
     sizes, at = [], start
     while at < end:
         size = 32
-        while size * 2 <= limit and at % (size * 2) == 0 and size < end - at:
+        while size * 2 <= min(limit, end - at) and at % (size * 2) == 0:
             size *= 2
         sizes.append(size)
         at += size

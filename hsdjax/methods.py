@@ -18,7 +18,7 @@ import jax
 from hsdjax.drafters import ARDrafter, DraftLMDrafter, Drafter, EagleDrafter, HSDDrafter, PromptLookupDrafter
 from hsdjax.drafters.checkpoint import load_drafter, shipped_path
 from hsdjax.drafters.hsd import POLICIES
-from hsdjax.drafters.sps import check_draft_compatible
+from hsdjax.drafters.sps import DRAFT_LENGTHS, check_draft_compatible
 from hsdjax.errors import HsdjaxError
 from hsdjax.loading import load_model
 from hsdjax.paths import cache_dir
@@ -43,6 +43,8 @@ OPTIONS = (  # in the order of the command line's --help
     Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}"),
     Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)"),
     Option("draft_model", "text", "sps: the draft LM (default: the registry's draft model for --model)"),
+    Option("draft_length", "text", "sps: fixed (--depth drafts every round) or adaptive (per row, from its recent "
+                                   "acceptance, at most --depth; as transformers' assisted generation)"),
     Option("depth", "size", "speculative: draft depth (tokens per guess)"),
     Option("width", "size", "pld: candidate continuations per round; hsd/eagle: tree width"),
 )
@@ -62,7 +64,7 @@ class Method:
 REGISTRY = {m.name: m for m in (
     Method("ar"),
     Method("pld", ("depth", "width"), {"width": 2, "depth": 6}),
-    Method("sps", ("depth", "draft_model"), {"depth": 4}),
+    Method("sps", ("depth", "draft_model", "draft_length"), {"depth": 4}),
     # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy
     Method("hsd", ("depth", "width", "budget", "policy", "drafter", "min_prob"),
            {"depth": 4, "width": 3, "budget": 5, "policy": "min2"}),
@@ -158,7 +160,7 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
         return ARDrafter(), ()
     if method == "pld":
         return PromptLookupDrafter(width=setting["width"], depth=setting["depth"]), ()
-    return _sps(model, setting["depth"], given.get("draft_model"))
+    return _sps(model, setting["depth"], given.get("draft_model"), given.get("draft_length", "fixed"))
 
 
 def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,15 +180,17 @@ def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str,
     return setting
 
 
-def _sps(model: Any, depth: int, draft_model: str | None) -> tuple[Drafter, Any]:
+def _sps(model: Any, depth: int, draft_model: str | None, draft_length: str = "fixed") -> tuple[Drafter, Any]:
     """``sps``: a draft LM of the target's tokenizer, in the target's dtype and layer loop."""
+    if draft_length not in DRAFT_LENGTHS:
+        raise HsdjaxError(f"--draft-length must be one of {', '.join(DRAFT_LENGTHS)} (got {draft_length!r})")
     name = draft_model_of(model, draft_model)
     if not name:
         raise HsdjaxError(f"sps needs a draft model of {model.name}'s tokenizer; pass --draft-model NAME "
                           "(e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
     draft = load_model(name, dtype=model.cfg.dtype, layer_loop="scan" if model.cfg.scan_layers else "unrolled")
     check_draft_compatible(model, draft)
-    return DraftLMDrafter(draft_cfg=draft.cfg, depth=depth), draft.params
+    return DraftLMDrafter(draft_cfg=draft.cfg, depth=depth, draft_length=draft_length), draft.params
 
 
 def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[str, Any]) -> tuple[Drafter, Any]:

@@ -34,13 +34,25 @@ Scheduling policy (``hsdjax.serving.scheduler``):
   states; its batch size is the smallest bucket (1, 2, 4, 8, ... B) holding the busy rows. It grows
   (``engine.take_rows``) when requests arrive and shrinks after the busy rows have fitted a smaller
   bucket for two consecutive steps with nothing waiting, so a lone request runs at batch 1.
-- **Admission** (continuous batching): before every decode call, waiting requests (FIFO) fill the free
-  rows (a request of n choices waits until n rows are free): the batch bucket grows if needed, then
-  each newcomer gets a batch-1 ``engine.prefill`` (+ ``engine.fork_rows`` into n rows) +
-  ``start_decoding`` (one compiled program per prompt bucket; 32/64/128 are compiled at start-up) and
-  ``engine.insert_rows`` writes it into free rows of the running state. Its first token (from the
-  prefill) is sent at once. Prefill is neither batched nor chunked: a long prompt delays the running
-  rows by one prefill.
+- **Admission** (continuous batching): waiting requests (FIFO) take free rows (a request of n choices
+  waits until n rows are free). Each newcomer's prompt is filled into a batch-1 ``engine.PromptFill``:
+  first the longest prefix the prefix cache holds (below), then the rest in pieces
+  (``engine.prefill_piece``, powers of two from 32 tokens, so a few compiled programs serve every
+  prompt). When it is complete, ``engine.prefill_done`` draws its first token (+ ``engine.fork_rows``
+  into n rows) + ``start_decoding``, the batch bucket grows if needed and ``engine.insert_rows`` writes
+  it into free rows of the running state; its first token is sent at once.
+- **Chunked prefill**: while rows are decoding, at most ``--prefill-chunk`` prompt tokens run between
+  two decode calls, so a long prompt delays the running streams by one piece per call rather than by
+  its whole prefill. ``auto`` (default): the largest power of two (32..512) whose measured cost (a
+  moving average per prompt token) is at most 3/4 of a decode call (also measured), so a running
+  stream waits at most about twice its usual time between two chunks, on any hardware. With nothing
+  decoding, a prompt runs in pieces as large as it is (up to 2,048 tokens).
+- **Prefix reuse** (``hsdjax.serving.prefix_cache``): a prompt's whole 32-token blocks are kept in a
+  device pool of ``--prefix-cache-mb`` (default 256; 0: off) after its prefill, keyed by a chained hash
+  of the tokens up to each block's end, with least-recently-used eviction. A later prompt that starts
+  with stored blocks (the next turn of a chat, a shared system prompt) copies their keys/values and the
+  drafter's target states instead of running them; ``usage.prompt_tokens_details.cached_tokens`` says
+  how many. Output is unchanged (greedy answers equal those without reuse).
 - **Decode**: ``engine.decode`` advances every row by up to K rounds per call (``--rounds``, default
   4); rows finish independently (stop token, budget). Between calls the scheduler reads each busy
   row's new tokens, turns them into text (whole UTF-8 characters; text that could start a stop string
@@ -162,7 +174,7 @@ def spec_max_active_setting(value: int | str | None) -> int | None:
 def build(model_name: str | None = None, method: str = "pld", *, dtype: str | None = None,
           max_batch: int = 8, max_queue: int = 64, max_context: int = 2048, rounds: int = 4,
           spec_max_active: int | str | None = "auto", method_options: dict[str, Any] | None = None,
-          warmup: bool = True, mesh: Any = None, prefill_chunk: int = 256, prefix_cache_mb: float = 256.0,
+          warmup: bool = True, mesh: Any = None, prefill_chunk: int | None = None, prefix_cache_mb: float = 256.0,
           **app_options: Any) -> tuple[Any, Any]:
     """Load the model (sharded over ``mesh`` when given), create the scheduler (not started) and the
     FastAPI app (``app_options``: ``create_app``'s keyword arguments)."""

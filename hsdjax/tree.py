@@ -102,6 +102,8 @@ def compact(tree: DraftTree, size: int) -> DraftTree:
     parents = take(tree.parents)
     parents = jnp.where(parents >= 0, jnp.take_along_axis(new_index, jnp.maximum(parents, 0), axis=1), -1)
     valid = take(tree.valid) & ((parents < size) | (parents < 0))
-    keep_tree = DraftTree(tokens=take(tree.tokens), parents=jnp.where(valid, parents, -1), depth=take(tree.depth),
-                          valid=valid)
-    return keep_tree
+    q_probs = None
+    if tree.q_probs is not None:  # per drafted slot (slot j at j - 1); the root (slot 0) stays first
+        q_probs = jnp.take_along_axis(tree.q_probs, (order[:, 1:size] - 1)[:, :, None], axis=1)
+    return DraftTree(tokens=take(tree.tokens), parents=jnp.where(valid, parents, -1), depth=take(tree.depth),
+                     valid=valid, q_probs=q_probs)

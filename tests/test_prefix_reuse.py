@@ -42,6 +42,7 @@ def test_piece_plan_covers_the_prompt_within_its_bucket(start_blocks, extra, lim
     at = start
     for i, size in enumerate(sizes):
         assert size >= 32 and size & (size - 1) == 0 and size <= max(limit, 32)
+        assert size == 32 or size <= end - at  # pads at most 31 positions
         assert at % size == 0  # aligned: a piece never runs past the prompt bucket
         assert at + size <= bucket
         if i < len(sizes) - 1:
@@ -262,3 +263,20 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_calls(sched, refere
         assert any(kind == "decode" for kind, _, _ in events[a + 1: b]), events  # the short stream kept going
     for ids, max_new, got in ((short, 120, texts[0]), (long, 16, texts[1])):
         assert got == reference.generate(ids, max_new_tokens=max_new, temperature=0.0)[0].text
+
+
+def test_automatic_prefill_budget_costs_about_one_decode_call(smollm):
+    from hsdjax.serving.scheduler import AUTO_CHUNK_MAX, Scheduler
+
+    s = Scheduler(smollm, "ar", max_batch=2, max_context=512, warmup=False, prefix_cache_mb=0)
+    assert s.prefix is None
+    assert s._prefill_budget() == 32  # nothing measured yet: the smallest piece
+    s._decode_s, s._token_s = 0.4, 0.4 / 100  # a decode call costs as much as 100 prompt tokens
+    assert s._prefill_budget() == 64  # 64 tokens: 0.64 of a call (128: 1.28)
+    s._token_s = 0.4 / 10_000
+    assert s._prefill_budget() == AUTO_CHUNK_MAX
+    s._token_s = 1.0
+    assert s._prefill_budget() == 32
+    fixed = Scheduler(smollm, "ar", max_batch=2, max_context=512, warmup=False, prefill_chunk=128, prefix_cache_mb=1)
+    fixed._decode_s, fixed._token_s = 0.4, 1.0
+    assert fixed._prefill_budget() == 128 and fixed.prefix is None  # 1 MB holds no 1.6 MB block

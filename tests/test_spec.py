@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hsdjax import engine
 from hsdjax.config import ModelConfig
 from hsdjax.drafters.pld import PromptLookupDrafter
 from hsdjax.drafters.sps import DraftLMDrafter
@@ -56,22 +57,33 @@ def test_pld_accepts_on_a_copying_model(llama):
     assert int(state.stats.target_passes[0]) < 39
 
 
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])
 @pytest.mark.parametrize("same_model", [True, False])
-def test_sps_greedy_equals_ar_batched(llama, other_draft, same_model):
+def test_sps_greedy_equals_ar_batched(llama, other_draft, same_model, draft_length):
     """Batched rows with different lengths; the draft is the target itself (everything accepted) or
-    another model (rejections): output identical to `ar` either way, also when decoded in chunks."""
+    another model (rejections): output identical to `ar` either way, also when decoded in chunks.
+    An adaptive draft length grows to its maximum when everything is accepted and falls when not."""
     cfg, params = llama
     dparams = params if same_model else other_draft
     rng = np.random.RandomState(3)
     prompts = [list(rng.randint(0, cfg.vocab_size, n)) for n in (4, 13, 7)]
     ar = run_engine(cfg, params, prompts, 25)
-    drafter = DraftLMDrafter(draft_cfg=cfg, depth=4)
+    drafter = DraftLMDrafter(draft_cfg=cfg, depth=4, draft_length=draft_length)
     rows, state = run_engine(cfg, params, prompts, 25, drafter=drafter, dparams=dparams, return_state=True)
     assert rows == ar
     assert run_engine(cfg, params, prompts, 25, drafter=drafter, dparams=dparams, chunks=[1, 2, 3, 30]) == ar
     passes = np.asarray(state.stats.target_passes)
-    if same_model:  # every draft accepted: depth + 1 tokens per pass
-        assert all(p <= -(-24 // 5) for p in passes)
+    lengths = np.asarray(state.draft.length)
+    if draft_length == "fixed":
+        assert (lengths == 4).all()
+        if same_model:  # every draft accepted: depth + 1 tokens per pass
+            assert all(p <= -(-24 // 5) for p in passes)
+    elif same_model:  # 2 -> 4: the first round drafts 2, then 4 a round
+        assert (lengths == 4).all() and all(p <= 1 + -(-21 // 5) for p in passes)
+        assert drafter.tiers == (2, 3) and engine.verify_sizes(drafter) == (2, 3, 5)
+    else:  # rejections shrank some rounds' drafts below the maximum
+        drafted, rounds = np.asarray(state.stats.draft_passes), np.asarray(state.stats.target_passes)
+        assert (drafted < 4 * rounds).any() and (lengths >= 1).all()
 
 
 def test_stop_token_inside_accepted_run(llama):
@@ -139,15 +151,17 @@ def sharp_params(seed):
 def sampling_pvalue(method, temperature, top_p):
     params = sharp_params(3)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    if method == "sps":
-        drafter, dparams = DraftLMDrafter(draft_cfg=SMALL, depth=3), sharp_params(4)
+    if method.startswith("sps"):
+        length = "adaptive" if method == "sps-adaptive" else "fixed"
+        drafter, dparams = DraftLMDrafter(draft_cfg=SMALL, depth=3, draft_length=length), sharp_params(4)
     else:
         drafter, dparams = PromptLookupDrafter(width=2, depth=3), ()
     counts = sample_joint(SMALL, params, prompt, drafter, dparams, temperature, top_p)
     return pooled_pvalue(counts, exact_joint(SMALL, params, prompt, temperature, top_p))
 
 
-@pytest.mark.parametrize("method,temperature,top_p", [("sps", 1.0, 1.0), ("sps", 0.7, 0.9), ("pld", 1.0, 1.0)])
+@pytest.mark.parametrize("method,temperature,top_p", [("sps", 1.0, 1.0), ("sps", 0.7, 0.9), ("sps-adaptive", 1.0, 1.0),
+                                                      ("pld", 1.0, 1.0)])
 def test_speculative_sampling_matches_plain_sampling(method, temperature, top_p):
     """Joint distribution of the first three tokens (one from the prefill, then speculative rounds)
     against the exact distribution computed from the model."""

@@ -6,6 +6,12 @@ when every draft was accepted, the last draft; its last position gives the first
 draft the argmax (a deterministic chain); sampling rows draw from the draft's temperature/top-k/top-p
 adjusted distribution and are verified with the min(1, p/q) rule. Draft keys/values of drafted tokens
 that the target accepts are kept, so accepted drafts are never recomputed.
+
+Draft length: ``fixed`` drafts ``depth`` tokens every round. ``adaptive`` keeps a length per row that
+follows the row's recent acceptance, as transformers' assisted generation does: it starts at half of
+``depth``, grows by 2 after a round whose drafts were all accepted and shrinks by 1 after any other
+(between 1 and ``depth``); a round drafts as long as its longest row needs (a ``while_loop``) and is
+verified at the smallest pass size (``tiers``) holding every row's chain.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jaxtyping import Array, Int
 
 from hsdjax.config import ModelConfig
 from hsdjax.drafters.base import DraftCost, Drafter, layer_macs
@@ -25,9 +32,13 @@ from hsdjax.sampling import select_tokens, target_probs
 from hsdjax.tree import chain
 
 
+DRAFT_LENGTHS = ("fixed", "adaptive")
+
+
 @struct.dataclass
 class DraftLMState:
     cache: KVCache  # the draft model's cache over the verified sequence (plus drafts during a round)
+    length: Int[Array, " B"]  # drafts the next round proposes per row (``depth`` when fixed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +47,24 @@ class DraftLMDrafter(Drafter):
     draft_cfg: ModelConfig | None = None
     depth: int = 4
     sampled_chain: bool = True
+    draft_length: str = "fixed"  # or "adaptive" (see the module doc)
 
     def __post_init__(self):
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise HsdjaxError(f"unknown draft length {self.draft_length!r}; available: {', '.join(DRAFT_LENGTHS)}")
         object.__setattr__(self, "num_nodes", 1 + self.depth)
         object.__setattr__(self, "max_depth", self.depth)
+        if self.adaptive:  # verify short chains at short passes: 2, 3, 5, 9, ... nodes
+            object.__setattr__(self, "tiers", tuple(1 + 2**i for i in range(self.depth.bit_length())
+                                                    if 1 + 2**i < self.num_nodes))
+
+    @property
+    def adaptive(self) -> bool:
+        return self.draft_length == "adaptive"
+
+    @property
+    def start_length(self) -> int:
+        return max(1, self.depth // 2) if self.adaptive else self.depth
 
     def _model(self) -> Transformer:
         return Transformer(self.draft_cfg)
@@ -51,7 +76,7 @@ class DraftLMDrafter(Drafter):
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         fwd = self._model().apply({"params": dparams}, prompt, positions, causal_mask(gen.prompt_len, p))
         cache = commit(init_cache(self.draft_cfg, b, s), fwd["k"], fwd["v"], positions, gen.prompt_len)
-        return DraftLMState(cache=cache)
+        return DraftLMState(cache=cache, length=jnp.full((b,), self.start_length, jnp.int32))
 
     def _step(self, dparams, cache, tokens, lengths):
         """Feed ``tokens[b, :lengths[b]]`` after the cache; commit them; logits at the last one."""
@@ -72,18 +97,45 @@ class DraftLMDrafter(Drafter):
         cache, logits = self._step(dparams, cache, jnp.take_along_axis(gen.seq, idx, axis=1),
                                    jnp.clip(behind, 1, catch_up))
         keys = jax.vmap(jax.random.fold_in)(gen.keys, gen.seq_len + 7919)  # independent of the target's
-        drafts, qs = [], []
-        for d in range(self.depth):
+
+        def draw(d, logits):
             step_keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(keys)
-            token = select_tokens(logits, gen.sampling, step_keys)
-            drafts.append(token)
-            qs.append(target_probs(logits, gen.sampling))
-            if d + 1 < self.depth:
-                cache, logits = self._step(dparams, cache, token[:, None], jnp.ones((b,), jnp.int32))
-        tree = chain(gen.last_token(), jnp.stack(drafts, axis=1), q_probs=jnp.stack(qs, axis=1))
-        tokens = catch_up + self.depth - 1  # positions the draft model computed this round
-        macs = tokens * self._token_macs(gen.seq_len.astype(jnp.float32) + self.depth)
-        return tree, DraftLMState(cache=cache), DraftCost.of(jnp.full((b,), self.depth, jnp.int32), macs=macs)
+            return select_tokens(logits, gen.sampling, step_keys), target_probs(logits, gen.sampling)
+
+        if self.adaptive:
+            drafts, qs, cache = self._draft_while(dparams, cache, logits, draw, state.length, gen.done)
+            length = state.length
+        else:
+            drafts, qs = [], []
+            for d in range(self.depth):
+                token, q = draw(d, logits)
+                drafts.append(token)
+                qs.append(q)
+                if d + 1 < self.depth:
+                    cache, logits = self._step(dparams, cache, token[:, None], jnp.ones((b,), jnp.int32))
+            drafts, qs, length = jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), None
+        tree = chain(gen.last_token(), drafts, length=length, q_probs=qs)
+        drafted = state.length  # drafts per row; the draft model computed catch_up + drafted - 1 positions
+        macs = (catch_up + drafted - 1) * self._token_macs(gen.seq_len.astype(jnp.float32) + drafted)
+        return tree, state.replace(cache=cache), DraftCost.of(drafted, macs=macs)
+
+    def _draft_while(self, dparams, cache, logits, draw, length, done):
+        """Drafts 0 .. max(length) - 1 of every row (one draft-model step between two), in a
+        ``while_loop`` that stops at the longest chain any unfinished row wants."""
+        b = length.shape[0]
+        longest = jnp.max(jnp.where(done, 1, length))
+        token, q = draw(0, logits)
+        drafts = jnp.zeros((b, self.depth), jnp.int32).at[:, 0].set(token)
+        qs = jnp.zeros((b, self.depth, q.shape[-1]), q.dtype).at[:, 0].set(q)
+
+        def body(carry):
+            d, cache, drafts, qs = carry
+            cache, logits = self._step(dparams, cache, drafts[:, d - 1][:, None], jnp.ones((b,), jnp.int32))
+            token, q = draw(d, logits)
+            return d + 1, cache, drafts.at[:, d].set(token), qs.at[:, d].set(q)
+
+        _, cache, drafts, qs = jax.lax.while_loop(lambda c: c[0] < longest, body, (jnp.int32(1), cache, drafts, qs))
+        return drafts, qs, cache
 
     def _token_macs(self, keys):
         """One token through the draft model (every layer, then the full-vocabulary head)."""
@@ -92,10 +144,16 @@ class DraftLMDrafter(Drafter):
         return c.num_layers * per_layer + c.hidden_size * c.vocab_size
 
     def observe(self, dparams, state, gen_before, gen_after, verdict, path_states):
-        # The draft cache holds the verified prefix and drafts 1..depth-1; keep the accepted ones.
-        kept = gen_before.seq_len + jnp.minimum(verdict.n_path - 1, self.depth - 1)
-        length = jnp.where(gen_before.done, state.cache.length, jnp.minimum(kept, gen_after.seq_len))
-        return DraftLMState(cache=state.cache.replace(length=length))
+        # The draft cache holds the verified prefix and the drafts fed back (all but the row's last);
+        # keep the accepted ones.
+        accepted = verdict.n_path - 1
+        kept = gen_before.seq_len + jnp.minimum(accepted, state.length - 1)
+        cache_len = jnp.where(gen_before.done, state.cache.length, jnp.minimum(kept, gen_after.seq_len))
+        length = state.length
+        if self.adaptive:
+            grown = jnp.where(accepted >= state.length, state.length + 2, state.length - 1)
+            length = jnp.where(gen_before.done, state.length, jnp.clip(grown, 1, self.depth))
+        return DraftLMState(cache=state.cache.replace(length=cache_len), length=length)
 
 
 def check_draft_compatible(target: Any, draft: Any) -> None:

@@ -42,6 +42,13 @@ log = logging.getLogger("hsdjax.serve")
 
 WARM_PROMPT_BUCKETS = (32, 64, 128)  # prompt buckets compiled at start-up (chat prompts are mostly here)
 WHOLE_PIECE = 2048  # the largest prompt piece run while no row decodes (nothing to interleave with)
+AUTO_CHUNK_MAX = 512  # the largest piece the automatic prefill budget runs while rows decode
+AUTO_CHUNK_SHARE = 0.75  # its pieces cost at most this share of a decode call (margin: costs grow as it fills)
+
+
+def _average(old: float | None, new: float, weight: float = 0.2) -> float:
+    """An exponential moving average (the first value as is)."""
+    return new if old is None else (1 - weight) * old + weight * new
 MAX_TOP_LOGPROBS = 20  # most likely tokens recorded per generated token (OpenAI's top_logprobs limit)
 
 
@@ -151,7 +158,7 @@ class Scheduler:
                  max_context: int = 2048, rounds: int = 4, spec_max_active: int | None = None,
                  method_options: dict[str, Any] | None = None, metrics: Metrics | None = None,
                  warmup: bool = True, shrink_after: int = 2, top_logprobs: int | None = MAX_TOP_LOGPROBS,
-                 prefill_chunk: int = 256, prefix_cache_mb: float = 256.0):
+                 prefill_chunk: int | None = None, prefix_cache_mb: float = 256.0):
         self.generator = Generator(model, method=method, **(method_options or {}))
         self.model, self.method = model, method
         self.cfg, self.params = model.cfg, model.params
@@ -170,9 +177,13 @@ class Scheduler:
         self._stop_set = frozenset(self.tokenizer.stop_ids)
         self.top_logprobs = top_logprobs  # K recorded per token by every row (None: logprobs unavailable)
         self._warmup_on, self._shrink_after = warmup, shrink_after
-        if prefill_chunk < 32:
+        if prefill_chunk is not None and prefill_chunk < 32:
             raise ValueError(f"the prefill chunk must be at least 32 tokens (got {prefill_chunk})")
-        self.prefill_chunk = prefill_chunk  # prompt tokens run between two decode calls of a busy batch
+        # prompt tokens run between two decode calls of a busy batch; None: as many as take about as
+        # long as a decode call (measured as it runs, see ``_prefill_budget``)
+        self.prefill_chunk = prefill_chunk
+        self._decode_s: float | None = None  # moving averages: seconds of a decode call (with its collect)
+        self._token_s: float | None = None  # and of a prompt token in a piece run while rows decode
         layers = len(self.drafter.prompt_layers)
         blocks = int(prefix_cache_mb * 2**20) // block_bytes(self.cfg, layers)
         self.prefix = PrefixCache(self.cfg, blocks, layers) if blocks > 0 else None
@@ -261,14 +272,16 @@ class Scheduler:
                 new = self._prefill_now(r)
         assert new is not None
         size = 32
-        while size <= min(self.prefill_chunk, self.cache_size):  # pieces after a first one (or a reused prefix)
+        while size <= min(self.prefill_chunk or AUTO_CHUNK_MAX, self.cache_size):  # pieces after a first one
             self._run_piece(self._empty_fill(), [0] * size, 0, size, fresh=False)
             size *= 2
-        if self.prefix is not None:
-            for blocks in (1, 2, 4):
-                if blocks * BLOCK < self.cache_size:
-                    self.prefix.load(self._empty_fill(), [0] * blocks)
-            self.prefix.clear()  # the warm-up prompts are not worth keeping
+        if self.prefix is not None:  # its copies, for every padded number of blocks (small programs)
+            blocks, fill = 1, self._empty_fill()
+            while blocks * BLOCK <= self.cache_size:
+                fill = self.prefix.load(fill, [0] * blocks)
+                self.prefix.store(list(range(blocks * BLOCK)), fill, blocks * BLOCK)
+                self.prefix.clear()  # the warm-up prompts are not worth keeping
+                blocks *= 2
         for b in self.buckets:
             rows = jnp.asarray([0] + [-1] * (b - 1), jnp.int32)
             state = engine.take_rows(new, rows)
@@ -311,12 +324,9 @@ class Scheduler:
         return size
 
     def _prefill_done(self, f: Filling) -> engine.DecodeState:
-        """The filled prompt's rows, ready to decode: store its blocks in the prefix cache, draw the
-        first token, fork into ``n`` rows (the smallest batch bucket holding them; rows beyond n are
+        """The filled prompt's rows, ready to decode: draw the first token, fork into ``n`` rows (the smallest batch bucket holding them; rows beyond n are
         spare copies that ``_place`` drops; row i draws with ``choice_keys``' i), start the drafter."""
         r = f.req
-        if self.prefix is not None:
-            self.prefix.store(r.prompt_ids, f.fill, f.filled)
         nb = engine.pick_bucket(r.n, self.buckets, "a batch")
         p_bucket = min(engine.pick_bucket(len(r.prompt_ids), engine.PROMPT_BUCKETS, "a prompt"), self.cache_size)
         prompt = np.zeros((1, p_bucket), np.int32)
@@ -338,7 +348,9 @@ class Scheduler:
         f = self._start_filling(r)
         while f.filled < len(r.prompt_ids):
             self._fill_step(f, WHOLE_PIECE)
-        return self._prefill_done(f)
+        new = self._prefill_done(f)
+        self._store_prefix(f)
+        return new
 
     def _take_waiting(self) -> list[GenRequest]:
         """Waiting requests (FIFO) whose rows fit in the free rows; clients gone while queued are dropped."""
@@ -371,8 +383,8 @@ class Scheduler:
         tokens per call (so a long prompt never stalls the running streams for more than one piece);
         with nothing decoding, whole prompts. A finished fill's rows join the running batch and its
         first token is sent."""
-        budget = self.prefill_chunk if any(c is not None for c in self._slots) else None
-        placed = False
+        budget = self._prefill_budget() if any(c is not None for c in self._slots) else None
+        placed: list[Filling] = []
         while self._filling and (budget is None or budget > 0):
             f = self._filling[0]
             r = f.req
@@ -384,8 +396,13 @@ class Scheduler:
                 continue
             try:
                 if f.filled < len(r.prompt_ids):
+                    t0 = time.perf_counter()
                     spent = self._fill_step(f, WHOLE_PIECE if budget is None else budget)
-                    budget = None if budget is None else budget - spent
+                    if budget is not None:
+                        budget -= spent
+                        if self.prefill_chunk is None:  # time the piece (the next decode call waits for it anyway)
+                            jax.block_until_ready(f.fill.cache.length)
+                            self._token_s = _average(self._token_s, (time.perf_counter() - t0) / spent)
                 if f.filled < len(r.prompt_ids):
                     continue
                 self._filling.popleft()
@@ -396,10 +413,31 @@ class Scheduler:
                 self._prefill_failed(r)
                 continue
             self._place(r, new)
-            placed = True
+            placed.append(f)
         if placed:
             self._small_for = 0
             self._collect()  # the first token comes from the prefill
+        for f in placed:  # after the first tokens went out; before any decode call (it may reuse the buffers)
+            self._store_prefix(f)
+
+    def _store_prefix(self, f: Filling) -> None:
+        """Keep the prompt's whole blocks for later prompts that start the same way."""
+        if self.prefix is not None:
+            self.prefix.store(f.req.prompt_ids, f.fill, f.filled)
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens to prefill before the next decode call while rows decode: ``prefill_chunk``,
+        or (auto) the largest power of two whose measured cost is at most ``AUTO_CHUNK_SHARE`` of a
+        decode call, so a running stream waits less than twice its usual time between two chunks
+        (32 .. ``AUTO_CHUNK_MAX``)."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        if self._decode_s is None or self._token_s is None:
+            return 32
+        size = 32
+        while size * 2 <= AUTO_CHUNK_MAX and size * 2 * self._token_s <= AUTO_CHUNK_SHARE * self._decode_s:
+            size *= 2
+        return size
 
     def _prefill_failed(self, r: GenRequest) -> None:
         log.error("prefill failed:\n%s", traceback.format_exc())
@@ -442,10 +480,12 @@ class Scheduler:
         drafter = self.drafter
         if self.plain is not None and active > self.spec_max_active:
             drafter = self.plain
+        t0 = time.perf_counter()
         self._state = engine.decode(self.params, self.dparams, self._state, jnp.int32(self.rounds), cfg=self.cfg,
                                     drafter=drafter)
         self.metrics.decode_call(drafter.name)
-        self._collect()
+        self._collect()  # reads the new tokens: waits for the call
+        self._decode_s = _average(self._decode_s, time.perf_counter() - t0)
 
     def _collect(self) -> None:
         """Hand each row's new tokens to its choice; free rows that finished or were cancelled."""
