@@ -34,14 +34,14 @@ DEPTHS_SHOWN = 10  # acceptance per depth: at least this many depths
 
 
 def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None = None) -> Any:
-    """A runner for ``METHOD[:POLICY]`` (named ``label`` if given); the options reach the feature
-    drafters only."""
+    """A runner for ``METHOD[:POLICY]`` (named ``label`` if given: a variant, whose options reach any
+    method); the shared options reach the feature drafters only."""
     from hsdjax.api import Generator
     from hsdjax.bench.runners import LocalMethod
     from hsdjax.methods import FEATURE_METHODS, options_for
 
     method, _, policy = spec.partition(":")
-    extra = options_for(method, opts) if method in FEATURE_METHODS else {}
+    extra = options_for(method, opts) if method in FEATURE_METHODS or label else {}
     if policy:
         extra["policy"] = policy
     gen = Generator(model, method, **extra)
@@ -51,22 +51,24 @@ def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None =
 
 def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     """``LABEL=METHOD[,KEY=VALUE...]:CHECKPOINT`` -> (label, method, options); CHECKPOINT ``-`` is the
-    shipped drafter; KEY is depth, width, budget (integers) or min_prob."""
+    shipped drafter (or none: ``sps``); KEY is depth, width, budget (integers), min_prob, or sps's
+    draft_length (fixed / adaptive)."""
     label, eq, rest = text.partition("=")
     head, colon, path = rest.partition(":")
     method, *pairs = head.split(",")
-    usage = f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,min_prob=P]:CHECKPOINT|-"
-    if not (eq and colon and label and method in ("hsd", "eagle") and path):
+    usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,min_prob=P,"
+             "draft_length=L]:CHECKPOINT|-")
+    if not (eq and colon and label and method in ("hsd", "eagle", "sps") and path):
         raise SystemExit(usage)
     from hsdjax.methods import TREE_SIZES
 
     opts: dict[str, Any] = {}
     for pair in pairs:  # ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
-        if key not in (*TREE_SIZES, "min_prob"):
+        if key not in (*TREE_SIZES, "min_prob", "draft_length"):
             raise SystemExit(usage)
         try:
-            opts[key] = float(value) if key == "min_prob" else int(value)
+            opts[key] = float(value) if key == "min_prob" else value if key == "draft_length" else int(value)
         except ValueError:
             raise SystemExit(usage) from None
     if path != "-":
@@ -202,8 +204,9 @@ def main() -> int:
     p.add_argument("--hsd-drafter", default=None)
     p.add_argument("--eagle-drafter", default=None)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD[,KEY=V...]:CHECKPOINT",
-                   help="add METHOD (hsd or eagle) with this drafter checkpoint ('-': the shipped one) and tree "
-                        "options (depth, width, budget, min_prob), shown as LABEL (repeatable)")
+                   help="add METHOD (hsd, eagle or sps) with this drafter checkpoint ('-': the shipped one, or "
+                        "none) and options (depth, width, budget, min_prob, draft_length), shown as LABEL "
+                        "(repeatable)")
     p.add_argument("--acceptance-only", action="store_true",
                    help="acceptance and identity only: no pass-cost timing, no speed columns")
     p.add_argument("--json-out", default=None)

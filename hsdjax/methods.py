@@ -43,8 +43,8 @@ OPTIONS = (  # in the order of the command line's --help
     Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}"),
     Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)"),
     Option("draft_model", "text", "sps: the draft LM (default: the registry's draft model for --model)"),
-    Option("draft_length", "text", "sps: fixed (--depth drafts every round) or adaptive (per row, from its recent "
-                                   "acceptance, at most --depth; as transformers' assisted generation)"),
+    Option("draft_length", "text", "sps: adaptive (default: per row, from its recent acceptance, at most --depth; "
+                                   "as transformers' assisted generation) or fixed (--depth drafts every round)"),
     Option("depth", "size", "speculative: draft depth (tokens per guess)"),
     Option("width", "size", "pld: candidate continuations per round; hsd/eagle: tree width"),
 )
@@ -64,7 +64,9 @@ class Method:
 REGISTRY = {m.name: m for m in (
     Method("ar"),
     Method("pld", ("depth", "width"), {"width": 2, "depth": 6}),
-    Method("sps", ("depth", "draft_model", "draft_length"), {"depth": 4}),
+    # measured on Qwen2.5-Coder-1.5B / 2-core CPU (docs/benchmarks.md): adaptive up to 8 drafts 1.20x ar,
+    # fixed 4 1.11x, fixed 8 1.14x
+    Method("sps", ("depth", "draft_model", "draft_length"), {"depth": 8}),
     # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy
     Method("hsd", ("depth", "width", "budget", "policy", "drafter", "min_prob"),
            {"depth": 4, "width": 3, "budget": 5, "policy": "min2"}),
@@ -160,7 +162,7 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
         return ARDrafter(), ()
     if method == "pld":
         return PromptLookupDrafter(width=setting["width"], depth=setting["depth"]), ()
-    return _sps(model, setting["depth"], given.get("draft_model"), given.get("draft_length", "fixed"))
+    return _sps(model, setting["depth"], given.get("draft_model"), given.get("draft_length", "adaptive"))
 
 
 def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -180,7 +182,7 @@ def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str,
     return setting
 
 
-def _sps(model: Any, depth: int, draft_model: str | None, draft_length: str = "fixed") -> tuple[Drafter, Any]:
+def _sps(model: Any, depth: int, draft_model: str | None, draft_length: str = "adaptive") -> tuple[Drafter, Any]:
     """``sps``: a draft LM of the target's tokenizer, in the target's dtype and layer loop."""
     if draft_length not in DRAFT_LENGTHS:
         raise HsdjaxError(f"--draft-length must be one of {', '.join(DRAFT_LENGTHS)} (got {draft_length!r})")
