@@ -206,3 +206,19 @@ def test_drafter_macs_accumulate_per_method(target):
     assert np.all(per_round["eagle"] > per_round["hsd"])
     _, state = run_engine(cfg, params, prompts, 5, return_state=True)
     assert np.all(np.asarray(state.stats.drafter_macs) == 0)
+
+
+def test_benchmark_variants_parse_and_refuse_bad_ones():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "feature_drafters.py"
+    spec = importlib.util.spec_from_file_location("feature_drafters_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_variant("a=hsd,depth=2,width=3,budget=2:-") == ("a", "hsd", {"depth": 2, "width": 3, "budget": 2})
+    assert bench.parse_variant("s=sps,depth=8,draft_length=adaptive:-") == (
+        "s", "sps", {"depth": 8, "draft_length": "adaptive"})
+    for bad in ("nolabel", "x=pld:-", "x=hsd,depth=two:-", "x=hsd,colour=3:-", "x=hsd:/no/such/file"):
+        with pytest.raises(SystemExit):
+            bench.parse_variant(bad)
