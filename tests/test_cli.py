@@ -43,6 +43,10 @@ def test_generate_json_end_to_end():
     (["generate", "--prompt", "hi", "--method", "hsd", "--drafter", "README.md"], "not a drafter checkpoint"),
     (["generate", "--prompt", "hi", "--method", "hsd", "--policy", "sometimes"], "unknown --policy"),
     (["generate", "--prompt", "hi", "--method", "pld", "--policy", "reuse"], "apply to hsd and eagle"),
+    (["serve", "--prefill-chunk", "8"], "expected auto or a number of tokens"),
+    (["serve", "--prefill-chunk", "lots"], "expected auto or a number of tokens"),
+    (["serve", "--prefix-cache-mb", "-1"], "prefix-cache-mb"),
+    (["generate", "--prompt", "hi", "--method", "sps", "--draft-length", "sometimes"], "draft"),
     (["train-drafter", "/nonexistent/config.json"], "config not found"),
     (["train-drafter", "README.md"], "not JSON"),
 ])
