@@ -154,13 +154,10 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def sched(smollm):
-    from hsdjax.serving.metrics import Metrics
-    from hsdjax.serving.scheduler import Scheduler
+    from tests.test_serve_hardening import running_scheduler
 
-    s = Scheduler(smollm, "hsd", max_batch=2, max_queue=4, max_context=1024, metrics=Metrics(), prefill_chunk=64,
-                  prefix_cache_mb=64, spec_max_active=None)
-    s.start()
-    assert s.ready.wait(900) and s.failure is None, s.failure
+    s = running_scheduler(smollm, "hsd", max_batch=2, max_queue=4, max_context=1024, prefill_chunk=64,
+                          prefix_cache_mb=64, spec_max_active=None)
     yield s
     s.close()
 

@@ -65,11 +65,17 @@ class Running:
         self.thread.join(60)
 
 
-@pytest.fixture(scope="module")
-def sched(smollm):
-    s = Scheduler(smollm, "pld", max_batch=2, max_queue=4, max_context=512, metrics=Metrics())
+def running_scheduler(model, method, **options):
+    """A started scheduler with its own metrics, compiled and ready (the caller closes it)."""
+    s = Scheduler(model, method, metrics=Metrics(), **options)
     s.start()
     assert s.ready.wait(900) and s.failure is None, s.failure
+    return s
+
+
+@pytest.fixture(scope="module")
+def sched(smollm):
+    s = running_scheduler(smollm, "pld", max_batch=2, max_queue=4, max_context=512)
     yield s
     s.close()
 
