@@ -66,6 +66,9 @@ def host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
+LINGER_S = 0.5  # how long a refused body's remaining pieces are read and dropped (``RequestGuard.drain``)
+
+
 class RequestGuard:
     """Pure ASGI checks before the app sees a request (streams pass through untouched): the Host
     header (``allowed_hosts``; None allows any), the API key (``Authorization: Bearer``; not for
@@ -83,6 +86,21 @@ class RequestGuard:
     def too_large(self) -> APIError:
         return APIError(413, f"The request body is larger than this server's limit of {self.max_body_bytes} "
                              "bytes.", code="request_too_large", headers={"Connection": "close"})
+
+    async def drain(self, receive: Any) -> None:
+        """Read and drop what a client is still sending after its body went past the limit (up to
+        another ``max_body_bytes``, while pieces keep coming within ``LINGER_S``). Closing a socket
+        with unread bytes sends a TCP reset, which can destroy the 413 before a client that writes its
+        whole body first gets to read it; a drained socket closes cleanly."""
+        dropped = 0
+        while dropped <= self.max_body_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), LINGER_S)
+            except asyncio.TimeoutError:
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            dropped += len(message.get("body", b""))
 
     def refusal(self, scope: dict) -> APIError | None:
         headers = Headers(scope=scope)
@@ -123,6 +141,8 @@ class RequestGuard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
+                    if message.get("more_body", False):
+                        await self.drain(receive)
                     raise self.too_large()
                 done = not message.get("more_body", False)
             return message
