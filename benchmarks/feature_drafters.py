@@ -51,12 +51,12 @@ def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None =
 
 def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     """``LABEL=METHOD[,KEY=VALUE...]:CHECKPOINT`` -> (label, method, options); CHECKPOINT ``-`` is the
-    shipped drafter (or none: ``sps``); KEY is depth, width, budget (integers), min_prob, or sps's
+    shipped drafter (or none: ``sps``); KEY is depth, width, budget, lookup (integers), min_prob, or sps's
     draft_length (fixed / adaptive)."""
     label, eq, rest = text.partition("=")
     head, colon, path = rest.partition(":")
     method, *pairs = head.split(",")
-    usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,min_prob=P,"
+    usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,lookup=N,min_prob=P,"
              "draft_length=L]:CHECKPOINT|-")
     if not (eq and colon and label and method in ("hsd", "eagle", "sps") and path):
         raise SystemExit(usage)
@@ -65,7 +65,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     opts: dict[str, Any] = {}
     for pair in pairs:  # ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
-        if key not in (*TREE_SIZES, "min_prob", "draft_length"):
+        if key not in (*TREE_SIZES, "lookup", "min_prob", "draft_length"):
             raise SystemExit(usage)
         try:
             opts[key] = float(value) if key == "min_prob" else value if key == "draft_length" else int(value)
@@ -205,7 +205,7 @@ def main() -> int:
     p.add_argument("--eagle-drafter", default=None)
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD[,KEY=V...]:CHECKPOINT",
                    help="add METHOD (hsd, eagle or sps) with this drafter checkpoint ('-': the shipped one, or "
-                        "none) and options (depth, width, budget, min_prob, draft_length), shown as LABEL "
+                        "none) and options (depth, width, budget, lookup, min_prob, draft_length), shown as LABEL "
                         "(repeatable)")
     p.add_argument("--acceptance-only", action="store_true",
                    help="acceptance and identity only: no pass-cost timing, no speed columns")

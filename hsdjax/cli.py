@@ -41,7 +41,8 @@ def _positive_int_list(text: str) -> tuple[int, ...]:
 
 
 _probability = _float_in(0.0, 1.0, hi_open=True)
-_OPTION_TYPES = {"size": _positive_int, "prob": _probability, "text": None}  # by ``hsdjax.methods.Option.kind``
+# by ``hsdjax.methods.Option.kind``
+_OPTION_TYPES = {"size": _positive_int, "count": _non_negative_int, "prob": _probability, "text": None}
 _OPTION = {o.name: o for o in OPTIONS}
 
 

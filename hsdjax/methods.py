@@ -29,7 +29,7 @@ class Option:
     """A method option: a keyword of ``make_drafter`` and a ``--flag`` of the command line."""
 
     name: str
-    kind: str  # "size": a whole number (tree sizes must lie in [1, 64]); "prob": in [0, 1); "text"
+    kind: str  # "size": a whole number (tree sizes must lie in [1, 64]); "count": >= 0; "prob": in [0, 1); "text"
     help: str
 
     @property
@@ -42,6 +42,8 @@ OPTIONS = (  # in the order of the command line's --help
     Option("budget", "size", "hsd/eagle: tree nodes verified per round besides the root"),
     Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}"),
     Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)"),
+    Option("lookup", "count", "hsd/eagle: also verify prompt lookup's continuation of up to this many tokens "
+                              "when the context has a match (0: off)"),
     Option("draft_model", "text", "sps: the draft LM (default: the registry's draft model for --model)"),
     Option("draft_length", "text", "sps: adaptive (default: per row, from its recent acceptance, at most --depth; "
                                    "as transformers' assisted generation) or fixed (--depth drafts every round)"),
@@ -68,9 +70,10 @@ REGISTRY = {m.name: m for m in (
     # fixed 4 1.11x, fixed 8 1.14x
     Method("sps", ("depth", "draft_model", "draft_length"), {"depth": 8}),
     # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy
-    Method("hsd", ("depth", "width", "budget", "policy", "drafter", "min_prob"),
+    Method("hsd", ("depth", "width", "budget", "policy", "drafter", "min_prob", "lookup"),
            {"depth": 4, "width": 3, "budget": 5, "policy": "min2"}),
-    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob"), {"depth": 4, "width": 3, "budget": 5}),
+    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "lookup"),
+           {"depth": 4, "width": 3, "budget": 5}),
 )}
 METHODS = tuple(REGISTRY)
 DEFAULTS = {m.name: dict(m.defaults) for m in REGISTRY.values() if m.defaults}
@@ -208,6 +211,10 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
         if not 0 <= given["min_prob"] < 1:
             raise HsdjaxError(f"--min-prob must be in [0, 1) (got {given['min_prob']})")
         setting["min_prob"] = given["min_prob"]
+    if "lookup" in given:
+        if not 0 <= given["lookup"] <= 64:
+            raise HsdjaxError(f"--lookup must be between 0 and 64 (got {given['lookup']})")
+        setting["lookup"] = given["lookup"]
     if "policy" in given:
         if method != "hsd":
             raise HsdjaxError("--policy applies to hsd only")
@@ -219,7 +226,7 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
 
 def feature_drafter(method: str, cfg: Any, layers: tuple[int, ...], **setting: Any) -> Drafter:
     """An ``hsd`` / ``eagle`` drafter of network config ``cfg`` over the fused target ``layers``, with
-    ``setting`` (depth, width, budget, hsd's policy, min_prob); the budget is capped at depth x width."""
+    ``setting`` (depth, width, budget, hsd's policy, min_prob, lookup); the budget is capped at depth x width."""
     setting["budget"] = min(setting["budget"], setting["depth"] * setting["width"])
     if method == "hsd":
         return HSDDrafter(cfg=cfg, layers=layers, **setting)

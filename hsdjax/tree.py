@@ -107,3 +107,26 @@ def compact(tree: DraftTree, size: int) -> DraftTree:
         q_probs = jnp.take_along_axis(tree.q_probs, (order[:, 1:size] - 1)[:, :, None], axis=1)
     return DraftTree(tokens=take(tree.tokens), parents=jnp.where(valid, parents, -1), depth=take(tree.depth),
                      valid=valid, q_probs=q_probs)
+
+
+def graft_chain(tree: DraftTree, drafts: Int[Array, "B L"], length: Int[Array, " B"]) -> DraftTree:
+    """``tree`` plus a chain from its root of the first ``length`` tokens of ``drafts``, in L new slots
+    after the tree's own. When a valid depth-1 node of ``tree`` already carries the chain's first token,
+    the chain continues under that node and its own first slot stays unused, so no token is verified
+    twice at the same place. The result is as deterministic as its parts (``verify_tree``'s rule)."""
+    if tree.q_probs is not None:
+        raise ValueError("graft_chain: trees of sampled drafts (q_probs) cannot take a chain")
+    b, n = tree.tokens.shape
+    steps = jnp.arange(drafts.shape[1], dtype=jnp.int32)
+    same = tree.valid & (tree.depth == 1) & (tree.tokens == drafts[:, :1])  # [B, N]
+    shared = jnp.any(same, axis=1)
+    # slot n + j's parent: the root for j = 0, else slot n + j - 1 (the shared node for j = 1)
+    parents = jnp.broadcast_to(n + steps - 1, (b, steps.shape[0]))
+    parents = jnp.where(steps[None, :] == 0, 0, parents)
+    parents = jnp.where((steps[None, :] == 1) & shared[:, None], jnp.argmax(same, axis=1)[:, None], parents)
+    valid = (steps[None, :] < length[:, None]) & ~((steps[None, :] == 0) & shared[:, None])
+    return DraftTree(
+        tokens=jnp.concatenate([tree.tokens, drafts.astype(jnp.int32)], axis=1),
+        parents=jnp.concatenate([tree.parents, jnp.where(valid, parents, -1).astype(jnp.int32)], axis=1),
+        depth=jnp.concatenate([tree.depth, jnp.broadcast_to(steps + 1, (b, steps.shape[0]))], axis=1),
+        valid=jnp.concatenate([tree.valid, valid], axis=1))

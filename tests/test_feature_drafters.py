@@ -62,6 +62,29 @@ def test_hsd_and_eagle_greedy_equal_ar(target, tree, seed, max_new):
         assert got == want, method
 
 
+@pytest.mark.parametrize("method", ["hsd", "eagle"])
+def test_lookup_graft_is_lossless_and_used(target, method):
+    """Prompt lookup's continuation grafted onto the trees: output equal to `ar`, the larger pass runs in
+    rounds with a match, and on repetitive text (a tiny random model's greedy output loops) the graft
+    raises the accepted drafts over the same drafter without it."""
+    cfg, params = target
+    rng = np.random.RandomState(4)
+    prompts = [list(rng.randint(0, cfg.vocab_size, 6)) * 4, list(rng.randint(0, cfg.vocab_size, 9))]
+    want = run_engine(cfg, params, prompts, 48)
+    accepted = {}
+    for lookup in (0, 5):
+        drafter, dparams = feature_drafter(cfg, params, method, depth=2, width=2, budget=2, lookup=lookup)
+        got, state = run_engine(cfg, params, prompts, 48, drafter=drafter, dparams=dparams, chunks=[5, 48],
+                                return_state=True)
+        assert got == want, (method, lookup)
+        s = jax.tree_util.tree_map(np.asarray, state.stats)
+        accepted[lookup] = int(s.accepted_drafts.sum())
+        if lookup:
+            assert drafter.tiers == (3, 8) and drafter.max_depth == 5
+            assert np.all(s.verified_nodes > s.target_passes * 3)  # some rounds ran the 8-node pass
+    assert accepted[5] > accepted[0], accepted
+
+
 def test_prompt_bucket_as_long_as_the_cache(target):
     """A 200-token prompt pads to 256, and 200 + 16 new tokens (+ tree slots) also fit a 256 cache: the
     prompt bucket fills the whole buffer (a real MT-bench turn 2 hit this in `eagle`'s prompt ingest)."""
@@ -108,12 +131,14 @@ def test_eagle_counts_every_processed_node(target):
     assert np.all(s.accepted_drafts <= s.drafter_states)
 
 
-@pytest.mark.parametrize("method", ["hsd", "eagle"])
-def test_feature_drafter_sampling_matches_plain_sampling(method):
-    """Joint distribution of the first three sampled tokens with a feature drafter's trees."""
+@pytest.mark.parametrize("method,lookup", [("hsd", 0), ("eagle", 0), ("hsd", 3)])
+def test_feature_drafter_sampling_matches_plain_sampling(method, lookup):
+    """Joint distribution of the first three sampled tokens with a feature drafter's trees (and with a
+    grafted lookup chain: the repeating prompt always has a match)."""
     params = sharp_params(3)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    drafter, dparams = feature_drafter(SMALL, params, method, seed=2, vocab=6, depth=2, width=2, budget=4)
+    drafter, dparams = feature_drafter(SMALL, params, method, seed=2, vocab=6, depth=2, width=2, budget=4,
+                                       lookup=lookup)
     counts = sample_joint(SMALL, params, prompt, drafter, dparams, 1.0, 1.0)
     assert pooled_pvalue(counts, exact_joint(SMALL, params, prompt, 1.0, 1.0)) > 1e-3
 

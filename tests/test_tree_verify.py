@@ -187,3 +187,26 @@ def test_compact_keeps_the_tree(data):
     small = compact(tree, count)
     assert small.num_nodes == count and bool(jnp.all(small.valid))
     assert paths_of(small) == paths_of(tree)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains_strategy, st.lists(st.integers(0, 2), min_size=1, max_size=5), st.integers(0, 5))
+def test_graft_chain_adds_the_chain_once(data, extra, length):
+    """A grafted chain adds exactly its prefixes (a first token the tree already has at depth 1 is
+    shared, not repeated); parents stay earlier slots, depths consistent, the old nodes untouched."""
+    from hsdjax.tree import graft_chain
+
+    chains, lengths = data
+    tree = chains_to_tree(jnp.array([7]), jnp.array([chains]), jnp.array([lengths]))
+    length = min(length, len(extra))
+    grafted = graft_chain(tree, jnp.array([extra]), jnp.array([length]))
+    assert grafted.num_nodes == tree.num_nodes + len(extra)
+    new = {tuple(extra[:k]) for k in range(1, length + 1)}
+    assert paths_of(grafted) == paths_of(tree) | new
+    shared = length > 0 and (extra[0],) in paths_of(tree)
+    assert int(jnp.sum(grafted.valid)) == int(jnp.sum(tree.valid)) + length - int(shared)
+    par, depth, valid = (np.asarray(a[0]) for a in (grafted.parents, grafted.depth, grafted.valid))
+    assert all(par[i] < i and depth[i] == depth[par[i]] + 1 for i in range(1, len(par)) if valid[i])
+    for name in ("tokens", "parents", "depth", "valid"):
+        old, new = np.asarray(getattr(tree, name)), np.asarray(getattr(grafted, name))
+        assert np.array_equal(new[:, : tree.num_nodes], old)

@@ -83,6 +83,7 @@ class EagleDrafter(FeatureDrafter):
         carry = (state.root_out[:, None, :], *local, jnp.zeros((b, 1, m), bool))
         tree, _, _ = grow_tree(root, first, children, carry, dparams["vocab_ids"], depth, k, self.budget,
                                self.min_prob)
+        tree = self.graft_lookup(tree, gen)
         n = jnp.full((b,), depth, jnp.int32)  # D-1 frontier passes + the ingest after verification
         frontier = (depth - 1) * k  # nodes the layer processes (tree attention over their ancestors too)
         per_node = 2 * c.hidden * c.hidden + self._layer_macs(gen.seq_len.astype(jnp.float32) + depth)

@@ -29,8 +29,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.drafters.base import Drafter, layer_macs
+from hsdjax.drafters.pld import PromptLookupDrafter, lookup_continuations
 from hsdjax.kernels.tree_attention import REFERENCE_BLOCK_S, attention_fn
 from hsdjax.model import apply_rope, rms_norm, rope_tables
+from hsdjax.tree import DraftTree, graft_chain
+
+LOOKUP_MAX_NGRAM = PromptLookupDrafter.max_ngram  # the grafted lookup matches as `pld` does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +239,10 @@ def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array]
 class FeatureDrafter(Drafter):
     """Settings shared by `hsd` and `eagle`: the network's config, the fused target layers, and the
     dynamic tree (``depth`` x ``width`` candidates, the ``budget`` best verified, optionally only those
-    above ``min_prob``, then at the smallest tier that holds them)."""
+    above ``min_prob``, then at the smallest tier that holds them). ``lookup`` > 0 grafts prompt
+    lookup's best continuation (up to that many tokens, `pld`'s matcher) onto every tree: free to
+    draft, verified in the same pass, and only in rounds where the context has a match (the pass then
+    runs at the tier ``1 + budget + lookup``)."""
 
     cfg: FeatureConfig | None = None
     layers: tuple[int, ...] = ()  # fused target layer indices (into the forward's ``layers``)
@@ -244,13 +251,16 @@ class FeatureDrafter(Drafter):
     budget: int = 5  # nodes verified besides the root
     min_prob: float = 0.0
     attention: str = "auto"  # drafter attention backend (hsdjax.kernels.tree_attention.attention_fn)
+    lookup: int = 0  # tokens of a prompt-lookup continuation grafted onto each tree (0: none)
+    lookup_ngram: int = 1  # shortest n-gram match that proposes a continuation
 
     def __post_init__(self):
-        object.__setattr__(self, "num_nodes", 1 + self.depth * self.width)
-        object.__setattr__(self, "max_depth", self.depth)
+        object.__setattr__(self, "num_nodes", 1 + self.depth * self.width + self.lookup)
+        object.__setattr__(self, "max_depth", max(self.depth, self.lookup))
         if not self.tiers:  # smaller verification passes when min_prob leaves few nodes valid
             sizes = {1, min(3, 1 + self.budget), 1 + self.budget // 2} if self.min_prob > 0 else set()
-            object.__setattr__(self, "tiers", tuple(sorted(sizes | {1 + self.budget})))
+            sizes |= {1 + self.budget}  # rounds without a lookup match
+            object.__setattr__(self, "tiers", tuple(sorted(sizes | {1 + self.budget + self.lookup})))
 
     @property
     def prompt_layers(self) -> tuple[int, ...]:
@@ -258,7 +268,15 @@ class FeatureDrafter(Drafter):
 
     @property
     def max_valid_nodes(self) -> int:
-        return 1 + self.budget
+        return 1 + self.budget + self.lookup
+
+    def graft_lookup(self, tree: DraftTree, gen: Any) -> DraftTree:
+        """The tree with prompt lookup's best continuation grafted on (unchanged when ``lookup`` is 0)."""
+        if not self.lookup:
+            return tree
+        chains, lengths = lookup_continuations(gen.seq, gen.seq_len, 1, self.lookup, LOOKUP_MAX_NGRAM,
+                                               self.lookup_ngram)
+        return graft_chain(tree, chains[:, 0], lengths[:, 0])
 
     def _net(self) -> FeatureDrafterNet:
         return FeatureDrafterNet(self.cfg)

@@ -120,6 +120,7 @@ class HSDDrafter(FeatureDrafter):
         used_depths = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain states the tree used
         reused = jnp.sum((jnp.arange(self.depth)[None, :] < used_depths[:, None]) & (st.fresh[:, : self.depth] == 0),
                          axis=1)
+        tree = self.graft_lookup(tree, gen)
         heads = 1 + (self.depth - 1) * self.width  # g + head for the root and each depth's frontier
         macs = (steps * self._layer_macs(gen.seq_len.astype(jnp.float32) + self.depth)
                 + heads * (self._inject_macs() + self._head_macs()))

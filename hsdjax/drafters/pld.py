@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Int
 
 from hsdjax.drafters.base import DraftCost, Drafter
 from hsdjax.tree import chains_to_tree
@@ -33,21 +34,29 @@ class PromptLookupDrafter(Drafter):
         object.__setattr__(self, "tiers", (1, 1 + self.depth))
 
     def propose(self, dparams, state, gen):
-        seq, length = gen.seq, gen.seq_len
-        b, s = seq.shape
-        last = jnp.take_along_axis(seq, (length[:, None] - 1 - jnp.arange(self.max_ngram)[None, :]).clip(0), axis=1)
-        # A match ends at e (exclusive, e < length): seq[e-1-j] == seq[length-1-j] for j < n.
-        ends = jnp.arange(s)[None, :]  # [1, S]
-        back = ends[:, :, None] - 1 - jnp.arange(self.max_ngram)[None, None, :]  # [1, S, G]
-        window = jnp.take_along_axis(seq[:, :, None], jnp.broadcast_to(back.clip(0), (b, s, self.max_ngram)), axis=1)
-        eq = (window == last[:, None, :]) & (back >= 0)
-        n_match = jnp.sum(jnp.cumprod(eq.astype(jnp.int32), axis=-1), axis=-1)  # [B, S]
-        usable = (ends < length[:, None]) & (n_match >= self.min_ngram)
-        score = jnp.where(usable, n_match * s + ends, -1)
-        top, where = jax.lax.top_k(score, self.width)  # [B, W]
-        follow = where[:, :, None] + jnp.arange(self.depth)[None, None, :]  # [B, W, D]
-        chains = jnp.take_along_axis(seq[:, None, :], follow.clip(0, s - 1), axis=2)
-        avail = jnp.clip(length[:, None] - where, 0, self.depth)  # continuation tokens inside the context
-        lengths = jnp.where(top >= 0, avail, 0)
+        chains, lengths = lookup_continuations(gen.seq, gen.seq_len, self.width, self.depth, self.max_ngram,
+                                               self.min_ngram)
         tree = chains_to_tree(gen.last_token(), chains, lengths)
-        return tree, state, DraftCost.of(jnp.zeros((b,), jnp.int32))
+        return tree, state, DraftCost.of(jnp.zeros((gen.seq.shape[0],), jnp.int32))
+
+
+def lookup_continuations(seq: Int[Array, "B S"], length: Int[Array, " B"], width: int, depth: int, max_ngram: int,
+                         min_ngram: int = 1) -> tuple[Int[Array, "B W D"], Int[Array, "B W"]]:
+    """The ``width`` best earlier continuations of each row's newest tokens (longer n-gram match first,
+    then the most recent), ``depth`` tokens each, and how many of them lie inside the context (0: no
+    match)."""
+    b, s = seq.shape
+    last = jnp.take_along_axis(seq, (length[:, None] - 1 - jnp.arange(max_ngram)[None, :]).clip(0), axis=1)
+    # A match ends at e (exclusive, e < length): seq[e-1-j] == seq[length-1-j] for j < n.
+    ends = jnp.arange(s)[None, :]  # [1, S]
+    back = ends[:, :, None] - 1 - jnp.arange(max_ngram)[None, None, :]  # [1, S, G]
+    window = jnp.take_along_axis(seq[:, :, None], jnp.broadcast_to(back.clip(0), (b, s, max_ngram)), axis=1)
+    eq = (window == last[:, None, :]) & (back >= 0)
+    n_match = jnp.sum(jnp.cumprod(eq.astype(jnp.int32), axis=-1), axis=-1)  # [B, S]
+    usable = (ends < length[:, None]) & (n_match >= min_ngram)
+    score = jnp.where(usable, n_match * s + ends, -1)
+    top, where = jax.lax.top_k(score, width)  # [B, W]
+    follow = where[:, :, None] + jnp.arange(depth)[None, None, :]  # [B, W, D]
+    chains = jnp.take_along_axis(seq[:, None, :], follow.clip(0, s - 1), axis=2)
+    avail = jnp.clip(length[:, None] - where, 0, depth)  # continuation tokens inside the context
+    return chains, jnp.where(top >= 0, avail, 0)
