@@ -65,7 +65,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     opts: dict[str, Any] = {}
     for pair in pairs:  # ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
-        if key not in (*TREE_SIZES, "lookup", "min_prob", "draft_length"):
+        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "min_prob", "draft_length"):
             raise SystemExit(usage)
         try:
             opts[key] = float(value) if key == "min_prob" else value if key == "draft_length" else int(value)
@@ -114,6 +114,8 @@ def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[
     hist = count_rounds(a for r in rs for a in r["accept_lengths"])
     states = sum(r.get("drafter_states", 0) for r in rs)
     accepted = sum(len(r["tokens"]) - 1 - r["target_passes"] for r in rs)
+    looked_up = sum(r.get("lookup_drafts", 0) for r in rs)  # supplied by a grafted lookup chain
+    own = accepted - looked_up  # what the drafter's own work bought
     round_s = sum(r["decode_s"] for r in rs) / max(passes, 1)
     verify_s = interpolate(costs, int(round(statistics.mean(r["mean_tree_nodes"] for r in rs))))
     depths = max(DEPTHS_SHOWN, max(hist, default=0) - 1)
@@ -124,10 +126,11 @@ def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[
         "per_depth": [round(p, 3) for p in acceptance_given_reach(hist, depths)],
         "drafter_passes_per_token": sum(r.get("drafter_passes", 0) for r in rs) / max(toks, 1),
         "drafter_states_per_token": states / max(toks, 1),
-        "utilisation": (accepted / states) if states else None,
+        "utilisation": (own / states) if states else None,
+        "lookup_share": looked_up / accepted if accepted else None,
         "reused_states": sum(r.get("reused_states", 0) for r in rs),
-        "drafter_mmacs_per_accepted": (sum(r.get("drafter_macs", 0.0) for r in rs) / 1e6 / accepted
-                                       if accepted else None),
+        "drafter_mmacs_per_accepted": (sum(r.get("drafter_macs", 0.0) for r in rs) / 1e6 / own
+                                       if own else None),
         "by_set": by_set(rs, base),
         "identical": sum(r["tokens"] == b["tokens"] for r, b in zip(rs, base)), "questions": len(rs),
         "round_ms": round_s * 1e3, "verify_pass_ms": verify_s * 1e3,

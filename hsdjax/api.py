@@ -279,13 +279,14 @@ class Generator:
 
 def _drafter_stats_of(drafter_name: str, st: Any, i: int, passes: int) -> dict[str, Any]:
     """Drafter work counters of row ``i`` (the same definitions for every drafting method)."""
-    states, accepted = int(st.drafter_states[i]), int(st.accepted_drafts[i])
+    states, accepted, looked_up = int(st.drafter_states[i]), int(st.accepted_drafts[i]), int(st.lookup_drafts[i])
+    own = accepted - looked_up  # the drafter's own accepted drafts: what its work bought
     out: dict[str, Any] = {"drafter_passes": int(st.draft_passes[i]), "drafter_states": states,
-                           "accepted_drafts": accepted,
-                           "draft_utilisation": round(accepted / states, 4) if states else None}
+                           "accepted_drafts": accepted, "lookup_drafts": looked_up,
+                           "draft_utilisation": round(own / states, 4) if states else None}
     macs = float(st.drafter_macs[i])
     out["drafter_macs"] = macs
-    out["accepted_per_gmac"] = round(accepted / (macs / 1e9), 3) if macs else None
+    out["accepted_per_gmac"] = round(own / (macs / 1e9), 3) if macs else None
     if drafter_name == "hsd":
         out["chain_steps"] = states
         out["reused_states"] = int(st.reused_states[i])

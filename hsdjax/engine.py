@@ -310,7 +310,8 @@ class RoundStats:
     drafter_states: Int[Array, " B"]  # drafter states computed that can carry a draft (DraftCost.states)
     reused_states: Int[Array, " B"]  # states a tree used that were computed in an earlier round
     drafter_macs: Float[Array, " B"]  # drafter multiply-adds (DraftCost.macs + Drafter.observe_macs)
-    accepted_drafts: Int[Array, " B"]  # drafted tokens accepted (each used exactly one drafter state)
+    accepted_drafts: Int[Array, " B"]  # drafted tokens accepted (lookup's included)
+    lookup_drafts: Int[Array, " B"]  # of those, the ones a grafted prompt-lookup chain supplied (no drafter state)
     tree_nodes: Int[Array, " B"]  # valid tree nodes verified, root included
     verified_nodes: Int[Array, " B"]  # size of the target passes run (the tier, padding included)
     accept_hist: Int[Array, "B P"]  # accept_hist[b, k]: rounds that emitted k new tokens
@@ -319,7 +320,7 @@ class RoundStats:
     @classmethod
     def zeros(cls, batch: int, max_depth: int, max_rounds: int) -> "RoundStats":
         z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, z, jnp.zeros((batch,), jnp.float32), z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
+        return cls(z, z, z, z, jnp.zeros((batch,), jnp.float32), z, z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
                    jnp.zeros((batch, max_rounds), jnp.int8))
 
 
@@ -364,6 +365,7 @@ class PassResult:
     path_v: Any
     path_states: dict[str, Array]  # ``hidden`` [B, P, E]; ``layers`` [F, B, P, E] (the drafter's layers)
     logprobs: TokenLogprobs | None  # of ``emitted`` [B, P], when the state records them
+    lookup_accepted: Int[Array, " B"]  # accepted drafts that a grafted lookup chain supplied
 
 
 def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: GenState, tree: DraftTree
@@ -387,8 +389,12 @@ def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: Gen
     logprobs = None
     if gen.logprobs is not None:  # emitted token j was drawn at the path's node j
         logprobs = TokenLogprobs.of(along(logits), emitted, gen.sampling, gen.logprobs.top_ids.shape[-1])
+    lookup_accepted = jnp.zeros_like(verdict.n_path)
+    if tree.lookup is not None:
+        on_path = (jnp.arange(verdict.path.shape[1])[None, :] < verdict.n_path[:, None]) & along(tree.lookup)
+        lookup_accepted = jnp.sum(on_path, axis=1).astype(jnp.int32)
     return PassResult(verdict=verdict, emitted=emitted, path_k=path_k, path_v=path_v, path_states=states,
-                      logprobs=logprobs)
+                      logprobs=logprobs, lookup_accepted=lookup_accepted)
 
 
 def verify_sizes(drafter: Any) -> tuple[int, ...]:
@@ -449,6 +455,7 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
         reused_states=st.reused_states + cost.reused * on,
         drafter_macs=st.drafter_macs + jnp.where(active, cost.macs + drafter.observe_macs(gen, verdict.n_path), 0.0),
         accepted_drafts=st.accepted_drafts + (verdict.n_path - 1) * on,
+        lookup_drafts=st.lookup_drafts + out.lookup_accepted * on,
         tree_nodes=st.tree_nodes + jnp.sum(tree.valid, axis=1) * on,
         verified_nodes=st.verified_nodes + pass_size * on,
         accept_hist=st.accept_hist + jax.nn.one_hot(n_emitted, st.accept_hist.shape[1], dtype=jnp.int32) * on[:, None],

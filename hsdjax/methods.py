@@ -17,6 +17,7 @@ import jax
 
 from hsdjax.drafters import ARDrafter, DraftLMDrafter, Drafter, EagleDrafter, HSDDrafter, PromptLookupDrafter
 from hsdjax.drafters.checkpoint import load_drafter, shipped_path
+from hsdjax.drafters.feature import LOOKUP_MAX_NGRAM
 from hsdjax.drafters.hsd import POLICIES
 from hsdjax.drafters.sps import DRAFT_LENGTHS, check_draft_compatible
 from hsdjax.errors import HsdjaxError
@@ -43,7 +44,9 @@ OPTIONS = (  # in the order of the command line's --help
     Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}"),
     Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)"),
     Option("lookup", "count", "hsd/eagle: also verify prompt lookup's continuation of up to this many tokens "
-                              "when the context has a match (0: off)"),
+                              "when the context has a match (0: off; default 6)"),
+    Option("lookup_ngram", "size", "hsd/eagle: shortest match (1-3 newest tokens, default 2) that grafts a lookup "
+                                   "continuation"),
     Option("draft_model", "text", "sps: the draft LM (default: the registry's draft model for --model)"),
     Option("draft_length", "text", "sps: adaptive (default: per row, from its recent acceptance, at most --depth; "
                                    "as transformers' assisted generation) or fixed (--depth drafts every round)"),
@@ -69,11 +72,13 @@ REGISTRY = {m.name: m for m in (
     # measured on Qwen2.5-Coder-1.5B / 2-core CPU (docs/benchmarks.md): adaptive up to 8 drafts 1.20x ar,
     # fixed 4 1.11x, fixed 8 1.14x
     Method("sps", ("depth", "draft_model", "draft_length"), {"depth": 8}),
-    # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy
-    Method("hsd", ("depth", "width", "budget", "policy", "drafter", "min_prob", "lookup"),
-           {"depth": 4, "width": 3, "budget": 5, "policy": "min2"}),
-    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "lookup"),
-           {"depth": 4, "width": 3, "budget": 5}),
+    # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy; a grafted
+    # lookup continuation of 6 tokens on 2-token matches took hsd from 1.10x to 1.62x ar on the dev sets
+    # (1-token matches 1.53x, 3-token 1.62x, 4 tokens on 2-token matches 1.54x; docs/drafters.md)
+    Method("hsd", ("depth", "width", "budget", "policy", "drafter", "min_prob", "lookup", "lookup_ngram"),
+           {"depth": 4, "width": 3, "budget": 5, "policy": "min2", "lookup": 6, "lookup_ngram": 2}),
+    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "lookup", "lookup_ngram"),
+           {"depth": 4, "width": 3, "budget": 5, "lookup": 6, "lookup_ngram": 2}),
 )}
 METHODS = tuple(REGISTRY)
 DEFAULTS = {m.name: dict(m.defaults) for m in REGISTRY.values() if m.defaults}
@@ -215,6 +220,10 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
         if not 0 <= given["lookup"] <= 64:
             raise HsdjaxError(f"--lookup must be between 0 and 64 (got {given['lookup']})")
         setting["lookup"] = given["lookup"]
+    if "lookup_ngram" in given:
+        if not 1 <= given["lookup_ngram"] <= LOOKUP_MAX_NGRAM:
+            raise HsdjaxError(f"--lookup-ngram must be between 1 and {LOOKUP_MAX_NGRAM} (got {given['lookup_ngram']})")
+        setting["lookup_ngram"] = given["lookup_ngram"]
     if "policy" in given:
         if method != "hsd":
             raise HsdjaxError("--policy applies to hsd only")

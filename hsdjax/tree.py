@@ -24,6 +24,9 @@ class DraftTree:
     # Drafters that sample their tokens keep the distribution each token was drawn from
     # (q_probs[:, i] is the distribution node i+1's token came from; chains only), else None.
     q_probs: Float[Array, "B M V"] | None = None
+    # Trees with a grafted prompt-lookup chain mark its nodes (``graft_chain``), so the statistics can
+    # tell drafts the drafter made from drafts lookup supplied; else None.
+    lookup: Bool[Array, "B N"] | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -102,11 +105,12 @@ def compact(tree: DraftTree, size: int) -> DraftTree:
     parents = take(tree.parents)
     parents = jnp.where(parents >= 0, jnp.take_along_axis(new_index, jnp.maximum(parents, 0), axis=1), -1)
     valid = take(tree.valid) & ((parents < size) | (parents < 0))
+    lookup = None if tree.lookup is None else take(tree.lookup)
     q_probs = None
     if tree.q_probs is not None:  # per drafted slot (slot j at j - 1); the root (slot 0) stays first
         q_probs = jnp.take_along_axis(tree.q_probs, (order[:, 1:size] - 1)[:, :, None], axis=1)
     return DraftTree(tokens=take(tree.tokens), parents=jnp.where(valid, parents, -1), depth=take(tree.depth),
-                     valid=valid, q_probs=q_probs)
+                     valid=valid, q_probs=q_probs, lookup=lookup)
 
 
 def graft_chain(tree: DraftTree, drafts: Int[Array, "B L"], length: Int[Array, " B"]) -> DraftTree:
@@ -129,4 +133,5 @@ def graft_chain(tree: DraftTree, drafts: Int[Array, "B L"], length: Int[Array, "
         tokens=jnp.concatenate([tree.tokens, drafts.astype(jnp.int32)], axis=1),
         parents=jnp.concatenate([tree.parents, jnp.where(valid, parents, -1).astype(jnp.int32)], axis=1),
         depth=jnp.concatenate([tree.depth, jnp.broadcast_to(steps + 1, (b, steps.shape[0]))], axis=1),
-        valid=jnp.concatenate([tree.valid, valid], axis=1))
+        valid=jnp.concatenate([tree.valid, valid], axis=1),
+        lookup=jnp.concatenate([jnp.zeros((b, n), bool) if tree.lookup is None else tree.lookup, valid], axis=1))

@@ -47,6 +47,9 @@ def test_generate_json_end_to_end():
     (["serve", "--prefill-chunk", "lots"], "expected auto or a number of tokens"),
     (["serve", "--prefix-cache-mb", "-1"], "prefix-cache-mb"),
     (["generate", "--prompt", "hi", "--method", "sps", "--draft-length", "sometimes"], "draft"),
+    (["generate", "--prompt", "hi", "--method", "hsd", "--lookup", "-1"], "lookup"),
+    (["generate", "--prompt", "hi", "--method", "hsd", "--lookup", "65"], "--lookup must be between 0 and 64"),
+    (["generate", "--prompt", "hi", "--method", "eagle", "--lookup-ngram", "4"], "--lookup-ngram must be between 1"),
     (["train-drafter", "/nonexistent/config.json"], "config not found"),
     (["train-drafter", "README.md"], "not JSON"),
 ])

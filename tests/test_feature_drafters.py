@@ -79,9 +79,13 @@ def test_lookup_graft_is_lossless_and_used(target, method):
         assert got == want, (method, lookup)
         s = jax.tree_util.tree_map(np.asarray, state.stats)
         accepted[lookup] = int(s.accepted_drafts.sum())
+        assert np.all(s.lookup_drafts <= s.accepted_drafts)
         if lookup:
             assert drafter.tiers == (3, 8) and drafter.max_depth == 5
             assert np.all(s.verified_nodes > s.target_passes * 3)  # some rounds ran the 8-node pass
+            assert int(s.lookup_drafts.sum()) > 0  # drafts lookup supplied are told apart
+        else:
+            assert int(s.lookup_drafts.sum()) == 0
     assert accepted[5] > accepted[0], accepted
 
 

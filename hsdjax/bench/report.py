@@ -119,7 +119,8 @@ def _counters(rs: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(len(t) for r in rs for t in r["tokens"])
     passes = sum(sum(r["target_passes"]) for r in rs)
     states = sum(sum(r.get("drafter_states", [0])) for r in rs)
-    accepted = sum(sum(r["accepted_drafts"]) for r in rs)
+    # the drafter's own accepted drafts (a grafted lookup chain's cost no drafter work; older records lack them)
+    accepted = sum(sum(r["accepted_drafts"]) - sum(r.get("lookup_drafts", [0])) for r in rs)
     macs = sum(sum(r.get("drafter_macs", [0.0])) for r in rs)
     return {"target_passes_per_token": passes / tokens if tokens else None,
             "draft_steps_per_token": sum(sum(r["draft_steps"]) for r in rs) / tokens if tokens else None,

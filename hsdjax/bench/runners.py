@@ -31,6 +31,7 @@ class Turn:
     draft_steps: int = 0
     drafter_states: int = 0
     accepted_drafts: int = 0
+    lookup_drafts: int = 0  # of those, supplied by a grafted prompt-lookup chain
     drafter_macs: float = 0.0
     decode_s: float = 0.0  # after the first new token (which comes out of the prefill)
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # a local method's full counters
@@ -54,8 +55,8 @@ class LocalMethod:
         r = self.gen.generate(prompt, max_new_tokens=max_new, temperature=temperature, seed=seed)[0]
         s = r.stats
         return Turn(r.text, r.tokens, r.seconds, s["accept_lengths"], s["target_passes"], s["draft_steps"],
-                    s.get("drafter_states", 0), s.get("accepted_drafts", 0), s.get("drafter_macs", 0.0),
-                    r.decode_s, s)
+                    s.get("drafter_states", 0), s.get("accepted_drafts", 0), s.get("lookup_drafts", 0),
+                    s.get("drafter_macs", 0.0), r.decode_s, s)
 
 
 class PeerMethod:

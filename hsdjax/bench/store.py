@@ -67,6 +67,7 @@ def raw_record(q: Question, turns: list[Turn]) -> dict[str, Any]:
             "target_passes": [t.target_passes for t in turns], "draft_steps": [t.draft_steps for t in turns],
             "drafter_states": [t.drafter_states for t in turns],
             "accepted_drafts": [t.accepted_drafts for t in turns],
+            "lookup_drafts": [t.lookup_drafts for t in turns],
             "drafter_macs": [t.drafter_macs for t in turns]}
 
 

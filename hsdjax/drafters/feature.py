@@ -252,7 +252,7 @@ class FeatureDrafter(Drafter):
     min_prob: float = 0.0
     attention: str = "auto"  # drafter attention backend (hsdjax.kernels.tree_attention.attention_fn)
     lookup: int = 0  # tokens of a prompt-lookup continuation grafted onto each tree (0: none)
-    lookup_ngram: int = 1  # shortest n-gram match that proposes a continuation
+    lookup_ngram: int = 2  # shortest n-gram match that proposes a continuation (1 grafts weak guesses too often)
 
     def __post_init__(self):
         object.__setattr__(self, "num_nodes", 1 + self.depth * self.width + self.lookup)
