@@ -33,9 +33,10 @@ def test_tune_hsd_measures_each_budget_and_writes_the_default(qfile, tuned_dir, 
                       budgets=(2, 4, 9), node_counts=(1, 3, 5), write=True, progress=False)
     rows = {(c["depth"], c["budget"]): c for c in r["candidates"]}
     assert set(rows) == {(2, 2), (2, 4)}  # budget 9 > depth x width is not a tree of this shape
+    lookup = methods.DEFAULTS["hsd"]["lookup"]  # the default graft of prompt lookup's continuation
     for (depth, budget), c in rows.items():
-        assert 1.0 <= c["tokens_per_pass"] <= depth + 1
-        assert 1.0 <= c["nodes"] <= budget + 1  # verified tier, root included
+        assert 1.0 <= c["tokens_per_pass"] <= max(depth, lookup) + 1
+        assert 1.0 <= c["nodes"] <= budget + 1 + lookup  # verified tier, root included
         assert c["pass_s"] >= c["verify_s"] > 0 and c["tokens_per_s"] > 0 and c["measured_tokens_per_s"] > 0
     assert set(r["pass_cost_s"]) == {1, 3, 5}
     best = r["best"]
