@@ -86,17 +86,15 @@ def run_continuous(model, data_cfg: dict, prompts_file: str, folder: Path) -> di
 
 
 def run_fixed(model, data_cfg: dict, prompts_file: str) -> dict:
-    from hsdjax.api import Generator
-    from hsdjax.train.datagen import _generate_recorded, _encode_chunk, prompt_stream, recording_drafter
+    from hsdjax.train.datagen import _encode_chunk, generate_recorded, prompt_stream, recording_generator
 
-    gen = Generator(model, "ar")
-    gen.drafter, gen.dparams = recording_drafter(model, int(data_cfg.get("top_k_logits", 8)))
+    gen = recording_generator(model, int(data_cfg.get("top_k_logits", 8)))
     rows = prompt_stream({"prompts": prompts_file})
     jobs = _encode_chunk(model.tokenizer, rows, int(data_cfg.get("max_prompt_tokens", 384)))
     max_new = int(data_cfg["max_new_tokens"])
     c0, t0, tokens, answers = COMPILE_S[0], time.perf_counter(), 0, 0
     for i in range(0, len(jobs), 32):
-        out = _generate_recorded(gen, [j.ids for j in jobs[i: i + 32]], max_new, 0.0, 0)
+        out = generate_recorded(gen, [j.ids for j in jobs[i: i + 32]], max_new, 0.0, 0)
         tokens += len(out["tokens"])
         answers += int(out["answer"].sum())
     return rates(time.perf_counter() - t0, COMPILE_S[0] - c0, tokens, answers)

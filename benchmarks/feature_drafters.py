@@ -124,7 +124,7 @@ def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[
         "median_ratio": median_ratio(dec, bdec),
         "accepted_length": accepted_length(toks, passes),
         "per_depth": [round(p, 3) for p in acceptance_given_reach(hist, depths)],
-        "drafter_passes_per_token": sum(r.get("drafter_passes", 0) for r in rs) / max(toks, 1),
+        "draft_passes_per_token": sum(r.get("draft_passes", 0) for r in rs) / max(toks, 1),
         "drafter_states_per_token": states / max(toks, 1),
         "utilisation": (own / states) if states else None,
         "lookup_share": looked_up / accepted if accepted else None,
@@ -155,7 +155,7 @@ def print_summary(summary: dict[str, dict[str, Any]], timed: bool = True) -> Non
     for name, s in summary.items():
         util = f"{s['utilisation']:.3f}" if s["utilisation"] is not None else "-"
         print(f"{name:<12} {s['decode_tok_s']:>9.1f} {s['ratio_of_means']:>5.2f}x {s['median_ratio']:>5.2f}x "
-              f"{s['accepted_length']:>7.2f} {s['drafter_passes_per_token']:>8.3f} {s['drafter_states_per_token']:>10.3f} "
+              f"{s['accepted_length']:>7.2f} {s['draft_passes_per_token']:>8.3f} {s['drafter_states_per_token']:>10.3f} "
               f"{util:>6} {s['reused_states']:>6} {s['round_ms']:>8.1f} {s['verify_pass_ms']:>6.1f} "
               f"{s['drafter_ms']:>7.1f} {s['identical']:>3}/{s['questions']}")
     for name, s in summary.items():

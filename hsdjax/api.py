@@ -93,15 +93,34 @@ class GenerationResult:
         }
 
 
+@dataclasses.dataclass
+class RowsRun:
+    """A batch of prepared rows run to the end (``Generator.run_rows``)."""
+
+    state: engine.DecodeState
+    prefill_s: float  # prefill + the drafter's start, compilation excluded
+    decode_s: float
+    compile_s: float
+
+
 class Generator:
     """Generates text with one method on one loaded model; compiled programs are kept per shape."""
 
     def __init__(self, model: LoadedModel, method: str = "ar", **options: Any):
-        self.model = model
-        self.method = method
-        self.drafter, self.dparams = make_drafter(method, model, **options)
+        self._setup(model, method, *make_drafter(method, model, **options))
+
+    @classmethod
+    def with_drafter(cls, model: LoadedModel, drafter: Any, dparams: Any = ()) -> "Generator":
+        """A generator that runs a given drafter instance with its params (a recording drafter, a
+        fixed tree for benchmarks, a drafter built by hand) instead of a registered method's."""
+        gen = cls.__new__(cls)
+        gen._setup(model, drafter.name, drafter, dparams)
+        return gen
+
+    def _setup(self, model: LoadedModel, method: str, drafter: Any, dparams: Any) -> None:
+        self.model, self.method, self.drafter = model, method, drafter
         self.mesh = getattr(model, "mesh", None)
-        self.dparams = sharding.replicate(self.dparams, self.mesh)  # drafters run whole on every device
+        self.dparams = sharding.replicate(dparams, self.mesh)  # drafters run whole on every device
         self._compiled: dict[tuple[Any, ...], Any] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -131,28 +150,30 @@ class Generator:
         return ids
 
     def _batch(self, rows: list[list[int]], max_new: int, temperature: float, top_k: int, top_p: float,
-               seed: int) -> tuple[dict[str, Any], int, int]:
-        cfg = self.model.cfg
+               seed: int, keys: Any = None, batch: int | None = None, cache_size: int | None = None
+               ) -> tuple[dict[str, Any], int]:
+        """The placed prefill inputs of ``rows`` and the cache size."""
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise HsdjaxError(f"invalid sampling settings: temperature={temperature} (>= 0), "
                               f"top_p={top_p} (0 < top_p <= 1), top_k={top_k} (>= 0)")
+        if not rows:
+            raise HsdjaxError("no prompts given")
         longest = max(len(r) for r in rows)
-        p_bucket, s_bucket = engine.plan_shapes(cfg, longest, max_new, spare=self.drafter.spare)
-        b = engine.pick_bucket(len(rows), BATCH_BUCKETS, "a batch")
-        prompt = np.zeros((b, p_bucket), np.int32)
-        lengths = np.ones((b,), np.int32)
-        for i, r in enumerate(rows):
-            prompt[i, : len(r)] = r
-            lengths[i] = len(r)
-        budget = np.zeros((b,), np.int32)
-        budget[: len(rows)] = max_new
-        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(b))
+        p_bucket, s_bucket = engine.plan_shapes(self.model.cfg, longest, max_new, spare=self.drafter.spare)
+        if cache_size is not None:
+            p_bucket, s_bucket = min(p_bucket, cache_size), cache_size
+            if longest + max_new + self.drafter.spare + 1 > cache_size:
+                raise HsdjaxError(f"a {longest}-token prompt and {max_new} new tokens do not fit a {cache_size}-slot "
+                                  "cache")
+        b = engine.pick_bucket(len(rows), BATCH_BUCKETS, "a batch") if batch is None else batch
+        prompt, lengths, budget = engine.pack_rows(rows, p_bucket, b, max_new)
         inputs = dict(
             prompt=jnp.asarray(prompt), prompt_len=jnp.asarray(lengths), max_new=jnp.asarray(budget),
-            sampling=SamplingParams.make(b, temperature, top_k, top_p), keys=keys,
+            sampling=SamplingParams.make(b, temperature, top_k, top_p),
+            keys=engine.row_keys(seed, b) if keys is None else jnp.asarray(keys),
             stop_ids=engine.stop_array(self.model.tokenizer.stop_ids),
         )
-        return sharding.place_inputs(inputs, self.mesh), b, s_bucket
+        return sharding.place_inputs(inputs, self.mesh), s_bucket
 
     # ------------------------------------------------------------------ compiled programs
     def _program(self, kind: str, fn: Any, *args: Any, **static: Any) -> tuple[Any, float]:
@@ -174,10 +195,10 @@ class Generator:
                                            cache_size=s_bucket, spare=self.drafter.spare,
                                            keep_layers=self.drafter.prompt_layers, top_logprobs=top_logprobs)
         t0 = time.perf_counter()
-        gen, prompt_fwd = program(*args)
+        gen, prompt_states = program(*args)
         jax.block_until_ready(gen)
         elapsed = time.perf_counter() - t0
-        start_args = (self.dparams, gen, prompt_fwd)
+        start_args = (self.dparams, gen, prompt_states)
         start, c2 = self._program("start", engine.start_decoding, *start_args, drafter=self.drafter)
         t0 = time.perf_counter()
         state = sharding.shard_state(start(*start_args), self.model.cfg, self.mesh)
@@ -190,6 +211,34 @@ class Generator:
         return (lambda st, n: program(self.model.params, self.dparams, st, jnp.int32(n))), compile_s
 
     # ------------------------------------------------------------------ public
+    def prefill_rows(self, rows: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                     top_p: float = 1.0, seed: int = 0, keys: Any = None, batch: int | None = None,
+                     cache_size: int | None = None, top_logprobs: int | None = None
+                     ) -> tuple[engine.DecodeState, float, float]:
+        """Prefill prepared rows (token ids, e.g. from ``encode_prompt``) and start the drafter:
+        (state, seconds, compile seconds). ``batch``: rows of the state (default: the next batch
+        bucket; padding rows finish at once); ``cache_size``: KV-cache slots (default: planned from
+        the longest prompt and the budget); ``keys``: one RNG key per row (default: row i gets
+        ``fold_in(seed, i)``)."""
+        inputs, s_bucket = self._batch(rows, max_new_tokens, temperature, top_k, top_p, seed, keys, batch, cache_size)
+        return self._prefill(inputs, s_bucket, top_logprobs)
+
+    def decode_rows(self, state: engine.DecodeState, rounds: int) -> tuple[engine.DecodeState, float, float]:
+        """At most ``rounds`` more speculative rounds of every unfinished row: (state, seconds,
+        compile seconds)."""
+        program, compile_s = self._decode_program(state)
+        t0 = time.perf_counter()
+        state = program(state, rounds)
+        jax.block_until_ready(state)
+        return state, time.perf_counter() - t0, compile_s
+
+    def run_rows(self, rows: list[list[int]], *, max_new_tokens: int, **options: Any) -> RowsRun:
+        """Prepared rows run to the end of their budgets (``prefill_rows``'s options): the final
+        ``DecodeState`` (tokens, the drafter's state, counters) and the times."""
+        state, prefill_s, compile_s = self.prefill_rows(rows, max_new_tokens=max_new_tokens, **options)
+        state, decode_s, c2 = self.decode_rows(state, max_new_tokens)
+        return RowsRun(state, prefill_s, decode_s, compile_s + c2)
+
     def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  chat: bool = True, system: str | None = None,
@@ -201,14 +250,9 @@ class Generator:
         if not batch:
             raise HsdjaxError("no prompts given")
         rows = [self.encode_prompt(p, chat, system) for p in batch]
-        inputs, _, s_bucket = self._batch(rows, max_new_tokens, temperature, top_k, top_p, seed)
-        state, prefill_s, compile_s = self._prefill(inputs, s_bucket, top_logprobs)
-        program, c2 = self._decode_program(state)
-        t0 = time.perf_counter()
-        state = program(state, max_new_tokens)
-        jax.block_until_ready(state)
-        decode_s = time.perf_counter() - t0
-        return self._results(state, rows, prefill_s, decode_s, compile_s + c2)
+        run = self.run_rows(rows, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, top_logprobs=top_logprobs)
+        return self._results(run.state, rows, run.prefill_s, run.decode_s, run.compile_s)
 
     def stream(self, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, chat: bool = True, system: str | None = None,
@@ -217,8 +261,8 @@ class Generator:
         ``GenerationResult`` is available as ``self.last_result`` when the iterator ends; closing
         the iterator early stops the generation."""
         rows = [self.encode_prompt(prompt, chat, system)]
-        inputs, _, s_bucket = self._batch(rows, max_new_tokens, temperature, top_k, top_p, seed)
-        state, prefill_s, compile_s = self._prefill(inputs, s_bucket)
+        state, prefill_s, compile_s = self.prefill_rows(rows, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                        top_k=top_k, top_p=top_p, seed=seed)
         program, c2 = self._decode_program(state)
         decoder = IncrementalDecoder(self.model.tokenizer, skip_special_tokens=True)
         stops = set(self.model.tokenizer.stop_ids)
@@ -265,7 +309,7 @@ class Generator:
                     "method": self.method, "devices": sharding.mesh_devices(self.mesh),
                     "mesh": sharding.mesh_shape(self.mesh), "batch": len(rows),
                     "mean_accepted_length": round(decoded / passes, 4) if passes else None,
-                    "target_passes": passes, "draft_steps": int(st.draft_passes[i]),
+                    "target_passes": passes,
                     "mean_tree_nodes": round(int(st.tree_nodes[i]) / passes, 3) if passes else None,
                     "mean_verified_nodes": round(int(st.verified_nodes[i]) / passes, 3) if passes else None,
                     "accept_hist": hist,
@@ -281,7 +325,7 @@ def _drafter_stats_of(drafter_name: str, st: Any, i: int, passes: int) -> dict[s
     """Drafter work counters of row ``i`` (the same definitions for every drafting method)."""
     states, accepted, looked_up = int(st.drafter_states[i]), int(st.accepted_drafts[i]), int(st.lookup_drafts[i])
     own = accepted - looked_up  # the drafter's own accepted drafts: what its work bought
-    out: dict[str, Any] = {"drafter_passes": int(st.draft_passes[i]), "drafter_states": states,
+    out: dict[str, Any] = {"draft_passes": int(st.draft_passes[i]), "drafter_states": states,
                            "accepted_drafts": accepted, "lookup_drafts": looked_up,
                            "draft_utilisation": round(own / states, 4) if states else None}
     macs = float(st.drafter_macs[i])

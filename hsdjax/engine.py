@@ -25,10 +25,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int, UInt
 
 from hsdjax.config import ModelConfig
+from hsdjax.drafters.base import TargetStates
 from hsdjax.errors import HsdjaxError
 from hsdjax.model import KVCache, Transformer, causal_mask, commit, gather_path, init_cache, write_path
 from hsdjax.sampling import SamplingParams, log_probs, select_tokens, top_k_blocked
@@ -131,6 +133,31 @@ def stop_array(stop_ids: tuple[int, ...] | list[int]) -> Int[Array, " M"]:
     return jnp.array(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32)
 
 
+def pack_rows(rows: list[list[int]], p_bucket: int, batch: int | None = None, max_new: int = 0
+              ) -> tuple[Int[np.ndarray, "B P"], Int[np.ndarray, " B"], Int[np.ndarray, " B"]]:
+    """Prompts right-padded to ``p_bucket`` in a batch of ``batch`` rows (default: one per prompt):
+    (prompt, prompt_len, max_new). Padding rows hold a one-token prompt and a budget of 0, so they
+    finish at once and cost no drafting."""
+    b = len(rows) if batch is None else batch
+    if not rows or b < len(rows):
+        raise HsdjaxError(f"{len(rows)} prompts do not fit a batch of {b}")
+    prompt = np.zeros((b, p_bucket), np.int32)
+    lengths = np.ones((b,), np.int32)
+    budget = np.zeros((b,), np.int32)
+    for i, r in enumerate(rows):
+        if not 0 < len(r) <= p_bucket:
+            raise HsdjaxError(f"prompt {i} has {len(r)} tokens; the prompt bucket holds 1 to {p_bucket}")
+        prompt[i, : len(r)] = r
+        lengths[i] = len(r)
+        budget[i] = max_new
+    return prompt, lengths, budget
+
+
+def row_keys(seed: int, n: int) -> UInt[Array, "N 2"]:
+    """The RNG key of each of ``n`` rows generated with ``seed``: row i's key is fold_in(seed, i)."""
+    return jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(n))
+
+
 def step_keys(keys: UInt[Array, "B 2"], counter: Int[Array, " B"]) -> UInt[Array, "B 2"]:
     return jax.vmap(jax.random.fold_in)(keys, counter)
 
@@ -210,7 +237,7 @@ def fill_piece(params: dict[str, Any], fill: PromptFill, piece: Int[Array, "B C"
 
 def fill_done(params: dict[str, Any], fill: PromptFill, prompt: Int[Array, "B P"], max_new: Int[Array, " B"],
               sampling: SamplingParams, keys: UInt[Array, "B 2"], stop_ids: Int[Array, " M"], *, cfg: ModelConfig,
-              spare: int = 1, top_logprobs: int | None = None) -> tuple[GenState, dict[str, Array]]:
+              spare: int = 1, top_logprobs: int | None = None) -> tuple[GenState, TargetStates]:
     """The generation state of a filled prompt (``cache.length`` = the prompt length per row): each
     row's first new token from its last prompt position, and the drafters' prompt states."""
     prompt_len = fill.cache.length
@@ -224,10 +251,7 @@ def fill_done(params: dict[str, Any], fill: PromptFill, prompt: Int[Array, "B P"
                      max_new=max_new, keys=keys, sampling=sampling, stop_ids=stop_ids, logprobs=logprobs)
     state = first_token(state, logits, spare)
     # Only what drafters use leaves the program (the per-layer states of a long prompt are large).
-    out = {"hidden": fill.hidden}
-    if fill.layers is not None:
-        out["layers"] = fill.layers
-    return state, out
+    return state, TargetStates(hidden=fill.hidden, layers=fill.layers)
 
 
 @partial(jax.jit, static_argnames=("cfg", "cache_size", "spare", "keep_layers", "top_logprobs"))
@@ -288,17 +312,16 @@ def piece_sizes(start: int, end: int, limit: int) -> list[int]:
 
 
 @partial(jax.jit, static_argnames=("cfg", "spare"))
-def fork_rows(params: dict[str, Any], gen: GenState, prompt_fwd: dict[str, Array], keys: UInt[Array, "N 2"], *,
-              cfg: ModelConfig, spare: int = 1) -> tuple[GenState, dict[str, Array]]:
+def fork_rows(params: dict[str, Any], gen: GenState, prompt_states: TargetStates, keys: UInt[Array, "N 2"], *,
+              cfg: ModelConfig, spare: int = 1) -> tuple[GenState, TargetStates]:
     """N generations of one prompt, prefilled once: row i is a copy of row 0 of ``gen`` (and of
-    ``prompt_fwd``) with RNG key ``keys[i]`` and its first token drawn again with that key (from the
+    ``prompt_states``) with RNG key ``keys[i]`` and its first token drawn again with that key (from the
     same logits as ``prefill``'s). Feed the result to ``start_decoding``."""
     rows = jnp.zeros((keys.shape[0],), jnp.int32)
     last = gen.prompt_len[0] - 1
-    logits = Transformer(cfg).apply({"params": params}, prompt_fwd["hidden"][:1, last], method=Transformer.logits)
-    fwd = {name: jnp.take(x, rows, axis=1 if name == "layers" else 0) for name, x in prompt_fwd.items()}
+    logits = Transformer(cfg).apply({"params": params}, prompt_states.hidden[:1, last], method=Transformer.logits)
     gen = _gather_rows(gen, rows).replace(keys=keys)
-    return first_token(gen, jnp.repeat(logits, keys.shape[0], axis=0), spare), fwd
+    return first_token(gen, jnp.repeat(logits, keys.shape[0], axis=0), spare), prompt_states.take_rows(rows)
 
 
 @struct.dataclass
@@ -363,7 +386,7 @@ class PassResult:
     emitted: Int[Array, "B P"]  # the round's new tokens, ``verdict.n_path`` valid per row
     path_k: Any  # [L, B, P, K, D] keys of the accepted path's nodes
     path_v: Any
-    path_states: dict[str, Array]  # ``hidden`` [B, P, E]; ``layers`` [F, B, P, E] (the drafter's layers)
+    path_states: TargetStates  # along the accepted path (``layers``: the drafter's ``prompt_layers``)
     logprobs: TokenLogprobs | None  # of ``emitted`` [B, P], when the state records them
     lookup_accepted: Int[Array, " B"]  # accepted drafts that a grafted lookup chain supplied
 
@@ -382,9 +405,8 @@ def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: Gen
     along = lambda x: jnp.take_along_axis(x, verdict.path.reshape(*verdict.path.shape, *([1] * (x.ndim - 2))),  # noqa: E731
                                           axis=1)
     path_k, path_v = gather_path(fwd["k"], fwd["v"], verdict.path)
-    states = {"hidden": along(fwd["hidden"])}
-    if drafter.prompt_layers:
-        states["layers"] = jax.vmap(along)(fwd["layers"])
+    states = TargetStates(hidden=along(fwd["hidden"]),
+                          layers=jax.vmap(along)(fwd["layers"]) if drafter.prompt_layers else None)
     emitted = verdict.emitted(tree)
     logprobs = None
     if gen.logprobs is not None:  # emitted token j was drawn at the path's node j
@@ -465,10 +487,10 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
 
 
 @partial(jax.jit, static_argnames=("drafter",))
-def start_decoding(dparams: Any, gen: GenState, prompt_fwd: dict[str, Array], *, drafter: Any) -> DecodeState:
+def start_decoding(dparams: Any, gen: GenState, prompt_states: TargetStates, *, drafter: Any) -> DecodeState:
     """Initial drafter state (e.g. the draft model's own prefill) and zeroed statistics."""
     b = gen.seq_len.shape[0]
-    return DecodeState(gen=gen, draft=drafter.init_state(dparams, gen, prompt_fwd),
+    return DecodeState(gen=gen, draft=drafter.init_state(dparams, gen, prompt_states),
                        stats=RoundStats.zeros(b, drafter.max_depth, gen.seq.shape[1]))
 
 

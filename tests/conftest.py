@@ -84,13 +84,10 @@ def run_engine(cfg, params, prompts, max_new, drafter=None, dparams=(), chunks=N
     longest = max(len(p) for p in prompts)
     p_bucket, s_bucket = engine.plan_shapes(cfg, longest, max_new, spare=drafter.spare)
     b = len(prompts)
-    arr = np.zeros((b, p_bucket), np.int32)
-    for i, p in enumerate(prompts):
-        arr[i, : len(p)] = p
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(b))
-    gen, fwd = engine.prefill(params, jnp.array(arr), jnp.array([len(p) for p in prompts]),
-                              jnp.full((b,), max_new, jnp.int32), SamplingParams.make(b, temperature, top_k, top_p),
-                              keys, engine.stop_array(stop), cfg=cfg, cache_size=s_bucket, spare=drafter.spare,
+    arr, lengths, budget = engine.pack_rows(prompts, p_bucket, b, max_new)
+    gen, fwd = engine.prefill(params, jnp.array(arr), jnp.array(lengths), jnp.array(budget),
+                              SamplingParams.make(b, temperature, top_k, top_p), engine.row_keys(seed, b),
+                              engine.stop_array(stop), cfg=cfg, cache_size=s_bucket, spare=drafter.spare,
                               keep_layers=drafter.prompt_layers, top_logprobs=top_logprobs)
     state = engine.start_decoding(dparams, gen, fwd, drafter=drafter)
     for steps in chunks or [max_new]:

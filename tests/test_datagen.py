@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from hsdjax.api import Generator, LoadedModel
+from hsdjax.api import LoadedModel
 from hsdjax.errors import HsdjaxError
 from hsdjax.model import init_params
 from hsdjax.train import datagen
-from hsdjax.train.datagen import (RecordingDrafter, _generate_recorded, fused_layer_indices, generate_data,
-                                  load_shards, prompt_stream, recording_drafter)
+from hsdjax.train.datagen import (fused_layer_indices, generate_data, generate_recorded,
+                                  load_shards, prompt_stream, recording_generator)
 from tests.conftest import TINY_LLAMA
 
 CFG = TINY_LLAMA
@@ -116,11 +116,10 @@ def test_continuous_batching_equals_the_fixed_batch_recorder(params, tmp_path):
     teacher_forced_check(params, got[5])
     teacher_forced_check(params, got[17])
 
-    gen = Generator(model, "ar")
-    gen.drafter, gen.dparams = recording_drafter(model, 4)
+    gen = recording_generator(model, 4)
     rows = [[int(t) for t in p["prompt"].split()] for p in prompts]
-    want = _generate_recorded(gen, rows[:16], 20, 0.0, seed=0)
-    want6 = _generate_recorded(gen, rows[16:], 20, 0.0, seed=0)
+    want = generate_recorded(gen, rows[:16], 20, 0.0, seed=0)
+    want6 = generate_recorded(gen, rows[16:], 20, 0.0, seed=0)
     for i in range(22):
         w, d = (want, i) if i < 16 else (want6, i - 16)
         keep = w["doc"] == d

@@ -132,3 +132,19 @@ def test_long_prompt_over_2000_tokens():
     prompt = list(np.random.RandomState(8).randint(0, cfg.vocab_size, 2100))
     assert engine.plan_shapes(cfg, len(prompt), 6) == (4096, 4096)
     assert run(cfg, params, [prompt], 6)[0] == naive_greedy(cfg, params, prompt, 6)
+
+
+def test_pack_rows_pads_prompts_and_gives_padding_rows_no_budget():
+    prompt, lengths, budget = engine.pack_rows([[5, 6, 7], [9]], 4, batch=4, max_new=10)
+    assert prompt.tolist() == [[5, 6, 7, 0], [9, 0, 0, 0], [0] * 4, [0] * 4]
+    assert lengths.tolist() == [3, 1, 1, 1] and budget.tolist() == [10, 10, 0, 0]
+    with pytest.raises(engine.HsdjaxError, match="prompt 1 has 5 tokens"):
+        engine.pack_rows([[1], [1] * 5], 4)
+    with pytest.raises(engine.HsdjaxError, match="do not fit a batch of 1"):
+        engine.pack_rows([[1], [2]], 4, batch=1)
+
+
+def test_row_keys_fold_the_row_index_into_the_seed():
+    keys = np.asarray(engine.row_keys(3, 2))
+    assert np.array_equal(keys[1], np.asarray(jax.random.fold_in(jax.random.PRNGKey(3), 1)))
+    assert not np.array_equal(keys[0], keys[1])

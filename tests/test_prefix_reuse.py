@@ -88,9 +88,9 @@ def test_pieces_and_reused_prefix_equal_one_prefill(cfg):
         assert int(gen.cache.length[0]) == length and int(gen.seq_len[0]) == length + 1
         for got, want in zip(_kv(gen, length), _kv(whole, length)):
             np.testing.assert_allclose(got, want, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(fwd["layers"])[:, :, :length], np.asarray(whole_fwd["layers"])[:, :, :length],
+        np.testing.assert_allclose(np.asarray(fwd.layers)[:, :, :length], np.asarray(whole_fwd.layers)[:, :, :length],
                                    atol=1e-5)
-        np.testing.assert_allclose(np.asarray(fwd["hidden"])[:, :length], np.asarray(whole_fwd["hidden"])[:, :length],
+        np.testing.assert_allclose(np.asarray(fwd.hidden)[:, :length], np.asarray(whole_fwd.hidden)[:, :length],
                                    atol=1e-5)
         assert int(gen.seq[0, length]) == int(whole.seq[0, length])
 

@@ -31,15 +31,15 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from hsdjax import engine, sharding
+from hsdjax.api import Generator
 from hsdjax.drafters.base import ARDrafter
 from hsdjax.drafters.checkpoint import frozen_from_target
 from hsdjax.errors import HsdjaxError
 from hsdjax.sampling import top_k_blocked
 from hsdjax.jsonl import read_objects
-from hsdjax.sampling import SamplingParams
 from hsdjax.sharding import to_host
 
 MANIFEST_FORMAT = 2  # 2: shards list their prompts' stream indices (continuous batching)
@@ -235,11 +235,11 @@ class RecordingDrafter(ARDrafter):
         vals, ids = top_k_blocked(logits, self.top_k)
         return vals.astype(jnp.float16), ids.astype(jnp.int32)
 
-    def init_state(self, dparams, gen, prompt_fwd):
+    def init_state(self, dparams, gen, prompt_states):
         b, s = gen.seq.shape
-        states = jnp.moveaxis(prompt_fwd["layers"], 0, 2).astype(jnp.bfloat16)  # [B, P, F, E]
+        states = prompt_states.per_position().astype(jnp.bfloat16)  # [B, P, F, E]
         p = states.shape[1]
-        vals, ids = jax.lax.map(lambda h: self._top(dparams, h), prompt_fwd["hidden"])  # row by row
+        vals, ids = jax.lax.map(lambda h: self._top(dparams, h), prompt_states.hidden)  # row by row
         buf = {"states": jnp.zeros((b, s, *states.shape[2:]), jnp.bfloat16).at[:, :p].set(states),
                "top_logits": jnp.zeros((b, s, self.top_k), jnp.float16).at[:, :p].set(vals),
                "top_ids": jnp.zeros((b, s, self.top_k), jnp.int32).at[:, :p].set(ids)}
@@ -248,11 +248,16 @@ class RecordingDrafter(ARDrafter):
     def observe(self, dparams, state, gen_before, gen_after, verdict, path_states):
         pos = gen_before.seq_len - 1  # the root, verified this round
         rows = jnp.arange(pos.shape[0])
-        fused = jnp.moveaxis(path_states["layers"][:, :, 0], 0, 1).astype(jnp.bfloat16)  # [B, F, E], F = layers
-        vals, ids = self._top(dparams, path_states["hidden"][:, 0])
+        fused = path_states.per_position()[:, 0].astype(jnp.bfloat16)  # [B, F, E], the root's
+        vals, ids = self._top(dparams, path_states.hidden[:, 0])
         return {"states": state["states"].at[rows, pos].set(fused),
                 "top_logits": state["top_logits"].at[rows, pos].set(vals),
                 "top_ids": state["top_ids"].at[rows, pos].set(ids)}
+
+
+def recording_generator(model: Any, top_k: int) -> Generator:
+    """A ``Generator`` that decodes plainly and records (see ``RecordingDrafter``)."""
+    return Generator.with_drafter(model, *recording_drafter(model, top_k))
 
 
 def recording_drafter(model: Any, top_k: int) -> tuple[RecordingDrafter, dict[str, Array]]:
@@ -304,13 +309,11 @@ class ContinuousRecorder:
     rows still cost a slot in every round, so the batch starts no larger than its work needs and, once
     the queue is empty, shrinks by 4x whenever the busy rows fit (``batch_sizes``)."""
 
-    def __init__(self, model: Any, drafter: RecordingDrafter, dparams: Any, *, batch: int, cache_size: int,
-                 max_new: int, temperature: float, seed: int, refill_every: int, stop_ids: Iterable[int]):
-        self.model, self.drafter, self.dparams = model, drafter, dparams
-        self.cfg, self.mesh = model.cfg, getattr(model, "mesh", None)
+    def __init__(self, gen: Generator, *, batch: int, cache_size: int, max_new: int, temperature: float, seed: int,
+                 refill_every: int):
+        self.gen, self.drafter = gen, gen.drafter  # a recording generator (``recording_generator``)
         self.batch, self.cache_size, self.max_new = batch, cache_size, max_new
         self.temperature, self.seed, self.refill_every = temperature, seed, refill_every
-        self.stop_ids = engine.stop_array(tuple(stop_ids))
         self.state: engine.DecodeState | None = None
         self.slots: list[Job | None] = [None] * batch
         self.deferred: list[Job] = []  # next turns that need a larger cache
@@ -343,8 +346,7 @@ class ContinuousRecorder:
             busy = sum(j is not None for j in self.slots)
             if not busy:
                 break
-            self.state = engine.decode(self.model.params, self.dparams, self.state, jnp.int32(self.refill_every),
-                                       cfg=self.cfg, drafter=self.drafter)
+            self.state, _, _ = self.gen.decode_rows(self.state, self.refill_every)
             self.rounds += self.refill_every
             self.row_rounds += busy * self.refill_every
             self._collect(queue, finish)
@@ -383,21 +385,12 @@ class ContinuousRecorder:
 
     def _prefill(self, jobs: list[Job]) -> engine.DecodeState:
         """Prefill ``jobs`` (similar lengths: the queue is sorted) into a fresh state of len(jobs) rows."""
-        n = len(jobs)
-        p_bucket = engine.pick_bucket(max(len(j.ids) for j in jobs), engine.PROMPT_BUCKETS, "a prompt")
-        prompt = np.zeros((n, p_bucket), np.int32)
-        for i, j in enumerate(jobs):
-            prompt[i, : len(j.ids)] = j.ids
         base = jax.random.PRNGKey(self.seed)
         keys = jnp.stack([jax.random.fold_in(jax.random.fold_in(base, j.index), j.turn) for j in jobs])
-        inputs = dict(prompt=jnp.asarray(prompt), prompt_len=jnp.asarray([len(j.ids) for j in jobs], jnp.int32),
-                      max_new=jnp.full((n,), self.max_new, jnp.int32),
-                      sampling=SamplingParams.make(n, self.temperature), keys=keys, stop_ids=self.stop_ids)
-        inputs = sharding.place_inputs(inputs, self.mesh)
-        gen, fwd = engine.prefill(self.model.params, *inputs.values(), cfg=self.cfg, cache_size=self.cache_size,
-                                  spare=self.drafter.spare, keep_layers=self.drafter.prompt_layers)
-        state = engine.start_decoding(self.dparams, gen, fwd, drafter=self.drafter)
-        return sharding.shard_state(state, self.cfg, self.mesh)
+        state, _, _ = self.gen.prefill_rows([j.ids for j in jobs], max_new_tokens=self.max_new,
+                                            temperature=self.temperature, keys=keys, batch=len(jobs),
+                                            cache_size=self.cache_size)
+        return state
 
     def _collect(self, queue: collections.deque[Job], finish: Callable[[Job, dict[str, Any]], Job | None]) -> None:
         """Hand finished rows to ``finish``; their next turns go to the front of the queue (or, when they
@@ -502,7 +495,7 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
     stream = prompt_stream(data_cfg)
     done = writer.done_prompts()
     todo = [r for r in stream if r["index"] not in done]
-    drafter, dparams = recording_drafter(model, opts["top_k_logits"])
+    gen = recording_generator(model, opts["top_k_logits"])
     tok = model.tokenizer
     bar = tqdm(total=budget, initial=min(man["tokens"], budget), unit="tok", desc="drafter data",
                disable=not progress, smoothing=0.1)
@@ -510,8 +503,8 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
     for start in range(0, len(todo), opts["chunk"]):
         if sink.tokens >= budget:
             break
-        jobs = _encode_chunk(tok, todo[start: start + opts["chunk"]], _prompt_limit(model, opts, drafter))
-        _run_chunk(model, drafter, dparams, jobs, opts, sink, lambda: sink.tokens < budget)
+        jobs = _encode_chunk(tok, todo[start: start + opts["chunk"]], _prompt_limit(model, opts, gen.drafter))
+        _run_chunk(gen, jobs, opts, sink, lambda: sink.tokens < budget)
     sink.flush()
     bar.close()
     man["complete"] = sink.tokens < budget  # every prompt was used before the budget ran out
@@ -537,11 +530,11 @@ def _encode_chunk(tok: Any, rows: list[dict[str, Any]], max_prompt: int) -> list
     return jobs
 
 
-def _run_chunk(model: Any, drafter: RecordingDrafter, dparams: Any, jobs: list[Job], opts: dict[str, Any],
-               sink: ShardSink, admit: Callable[[], bool]) -> None:
+def _run_chunk(gen: Generator, jobs: list[Job], opts: dict[str, Any], sink: ShardSink,
+               admit: Callable[[], bool]) -> None:
     """Answer a chunk of jobs: one continuous batch per KV-cache size, smallest first, each fed its
     prompts sorted by length; next turns that outgrow a cache size wait for a larger one."""
-    tok = model.tokenizer
+    model, drafter, tok = gen.model, gen.drafter, gen.model.tokenizer
     max_conv = _prompt_limit(model, opts, drafter, turn=1)
 
     def cache_for(job: Job) -> int:
@@ -559,23 +552,20 @@ def _run_chunk(model: Any, drafter: RecordingDrafter, dparams: Any, jobs: list[J
     while pending:
         size = min(pending)
         queue = collections.deque(sorted(pending.pop(size), key=lambda j: (len(j.ids), j.index)))
-        rec = ContinuousRecorder(model, drafter, dparams, batch=opts["batch"], cache_size=size,
-                                 max_new=opts["max_new_tokens"], temperature=opts["temperature"], seed=opts["seed"],
-                                 refill_every=opts["refill_every"], stop_ids=tok.stop_ids)
+        rec = ContinuousRecorder(gen, batch=opts["batch"], cache_size=size, max_new=opts["max_new_tokens"],
+                                 temperature=opts["temperature"], seed=opts["seed"], refill_every=opts["refill_every"])
         rec.run(queue, admit, finish)
         for job in rec.deferred:
             pending[cache_for(job)].append(job)
 
 
-def _generate_recorded(gen: Any, rows: list[list[int]], max_new: int, temperature: float,
+def generate_recorded(gen: Generator, rows: list[list[int]], max_new: int, temperature: float,
                        seed: int) -> dict[str, np.ndarray]:
-    """The fixed-batch recorder (reference for tests and benchmarks): ``gen`` (a ``Generator`` whose
-    drafter is a ``RecordingDrafter``) answers ``rows`` in one batch that runs until its longest answer
-    ends; returns the flat recorded stream (see ``flatten_recorded``)."""
-    inputs, _, s_bucket = gen._batch(rows, max_new, temperature, 0, 1.0, seed)
-    state, _, _ = gen._prefill(inputs, s_bucket)
-    program, _ = gen._decode_program(state)
-    return flatten_recorded(program(state, max_new), [len(r) for r in rows])
+    """The fixed-batch recorder (reference for tests and benchmarks): ``gen`` (a ``recording_generator``)
+    answers ``rows`` in one batch that runs until its longest answer ends; returns the flat recorded
+    stream (see ``flatten_recorded``)."""
+    run = gen.run_rows(rows, max_new_tokens=max_new, temperature=temperature, seed=seed)
+    return flatten_recorded(run.state, [len(r) for r in rows])
 
 
 def flatten_recorded(state: Any, prompt_lens: list[int]) -> dict[str, np.ndarray]:

@@ -115,7 +115,7 @@ def _summary_row(rs: list[dict[str, Any]], base: dict[int, dict[str, Any]], loca
 
 
 def _counters(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A local method's work per token: target passes, drafter steps, utilisation, multiply-adds."""
+    """A local method's work per token: target passes, drafter passes, utilisation, multiply-adds."""
     tokens = sum(len(t) for r in rs for t in r["tokens"])
     passes = sum(sum(r["target_passes"]) for r in rs)
     states = sum(sum(r.get("drafter_states", [0])) for r in rs)
@@ -123,7 +123,8 @@ def _counters(rs: list[dict[str, Any]]) -> dict[str, Any]:
     accepted = sum(sum(r["accepted_drafts"]) - sum(r.get("lookup_drafts", [0])) for r in rs)
     macs = sum(sum(r.get("drafter_macs", [0.0])) for r in rs)
     return {"target_passes_per_token": passes / tokens if tokens else None,
-            "draft_steps_per_token": sum(sum(r["draft_steps"]) for r in rs) / tokens if tokens else None,
+            "draft_passes_per_token": sum(sum(r.get("draft_passes", r.get("draft_steps", [0]))) for r in rs) / tokens
+            if tokens else None,  # (records before 2026-12 named them draft_steps)
             "draft_utilisation": accepted / states if states else None,
             "drafter_mmacs_per_token": macs / 1e6 / tokens if tokens and macs else None,
             "drafter_mmacs_per_accepted": macs / 1e6 / accepted if accepted and macs else None}
@@ -199,7 +200,7 @@ def _category_line(name: str, cat: str, row: dict[str, Any]) -> str:
     return (f"| {name} | {cat} | {row['questions']} | {_fmt(row['tokens_per_s'], '.1f')} | "
             f"{_fmt(row['speedup_vs_ar'], '.2f', 'x')} | {_fmt(row['mean_accepted_length'])} | "
             f"{_fmt(row.get('target_passes_per_token'), '.3f')} | "
-            f"{_fmt(row.get('draft_steps_per_token'), '.3f')} | "
+            f"{_fmt(row.get('draft_passes_per_token'), '.3f')} | "
             f"{_fmt(row.get('draft_utilisation'), '.3f')} | "
             f"{_fmt(row.get('drafter_mmacs_per_accepted'), '.2f')} | {_fmt(row.get('identical_to_ar'))} |")
 

@@ -28,7 +28,7 @@ class Turn:
     wall_time: float  # prefill + decode seconds
     accept_lengths: list[int]
     target_passes: int = 0
-    draft_steps: int = 0
+    draft_passes: int = 0  # drafter forward passes
     drafter_states: int = 0
     accepted_drafts: int = 0
     lookup_drafts: int = 0  # of those, supplied by a grafted prompt-lookup chain
@@ -54,7 +54,7 @@ class LocalMethod:
     def turn(self, prompt: Prompt, max_new: int, temperature: float = 0.0, seed: int = 0) -> Turn:
         r = self.gen.generate(prompt, max_new_tokens=max_new, temperature=temperature, seed=seed)[0]
         s = r.stats
-        return Turn(r.text, r.tokens, r.seconds, s["accept_lengths"], s["target_passes"], s["draft_steps"],
+        return Turn(r.text, r.tokens, r.seconds, s["accept_lengths"], s["target_passes"], s["draft_passes"],
                     s.get("drafter_states", 0), s.get("accepted_drafts", 0), s.get("lookup_drafts", 0),
                     s.get("drafter_macs", 0.0), r.decode_s, s)
 

@@ -5,14 +5,15 @@ loop) whose methods are pure functions traced inside the loop. Its learnable or 
 LM weights, a trained drafter's params) is passed separately as ``dparams``; its per-generation state
 (caches, reusable chain states) is an explicit pytree carried by the loop.
 
-    init_state(dparams, gen, prompt_fwd) -> state
+    init_state(dparams, gen, prompt_states) -> state
     propose(dparams, state, gen) -> (tree, state, cost)
     observe(dparams, state, gen_before, gen_after, verdict, path_states) -> state
 
 ``propose`` returns a ``DraftTree`` whose root is the newest token and the round's ``DraftCost`` per
 row (drafter passes, drafter states computed, states reused from earlier rounds); ``observe`` sees
-the verdict and the target's hidden states along the accepted path, so feature drafters can extend
-their context. Drafters that read the prompt's hidden states name the layers in ``prompt_layers``.
+the verdict and the target's states along the accepted path (a ``TargetStates``, as ``init_state``
+gets for the prompt), so feature drafters can extend their context. Drafters that read per-layer
+states name the layers in ``prompt_layers``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,27 @@ from flax import struct
 from jaxtyping import Array, Float, Int
 
 from hsdjax.tree import DraftTree, root_only
+
+
+@struct.dataclass
+class TargetStates:
+    """The target's states a drafter receives: at the prompt's positions (``init_state``) or at the
+    accepted path's nodes, root first (``observe``)."""
+
+    hidden: Float[Array, "B T E"]  # final-normed: what the LM head reads
+    layers: Float[Array, "F B T E"] | None = None  # the drafter's ``prompt_layers`` states, in that order
+
+    def per_position(self) -> Float[Array, "B T F E"]:
+        """``layers`` with each position's F states side by side (what a feature drafter fuses)."""
+        return jnp.moveaxis(self.layers, 0, 2)
+
+    def first_positions(self, n: int) -> "TargetStates":
+        """The states of the first ``n`` positions (e.g. a prompt bucket's)."""
+        return TargetStates(hidden=self.hidden[:, :n], layers=None if self.layers is None else self.layers[:, :, :n])
+
+    def take_rows(self, rows: Int[Array, " N"]) -> "TargetStates":
+        return TargetStates(hidden=jnp.take(self.hidden, rows, axis=0),
+                            layers=None if self.layers is None else jnp.take(self.layers, rows, axis=1))
 
 
 @struct.dataclass
@@ -84,7 +106,8 @@ class Drafter(abc.ABC):
         """The most valid nodes a proposed tree can hold, root included (the largest pass needed)."""
         return self.num_nodes
 
-    def init_state(self, dparams: Any, gen: Any, prompt_fwd: dict[str, Array]) -> Any:
+    def init_state(self, dparams: Any, gen: Any, prompt_states: TargetStates) -> Any:
+        """The per-generation state, from the prompt's target states."""
         return ()
 
     @abc.abstractmethod
@@ -92,10 +115,9 @@ class Drafter(abc.ABC):
         """The next tree (root = ``gen.last_token()``), the new state, the round's cost per row."""
 
     def observe(self, dparams: Any, state: Any, gen_before: Any, gen_after: Any, verdict: Any,
-                path_states: dict[str, Array]) -> Any:
-        """Update after verification. ``path_states`` holds the target's outputs at the accepted
-        path's nodes (root first): ``hidden`` [B, P, E] (final-normed) and, for drafters with
-        ``prompt_layers``, ``layers`` [F, B, P, E] (those states, in that order)."""
+                path_states: TargetStates) -> Any:
+        """Update after verification, from the target's states at the accepted path's nodes (root
+        first; ``layers`` only for drafters with ``prompt_layers``)."""
         return state
 
     def observe_macs(self, gen_before: Any, n_path: Int[Array, " B"]) -> Float[Array, " B"]:

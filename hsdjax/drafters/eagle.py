@@ -38,9 +38,9 @@ class EagleDrafter(FeatureDrafter):
         emb = net.apply({"params": p}, dparams["embed"], next_tokens, method=FeatureDrafterNet.embed)
         return net.apply({"params": p}, feat, emb, method=FeatureDrafterNet.eagle_input)
 
-    def init_state(self, dparams, gen, prompt_fwd):
+    def init_state(self, dparams, gen, prompt_states):
         b, s = gen.seq.shape
-        states = jnp.moveaxis(prompt_fwd["layers"], 0, 2)  # [B, P, F, E]
+        states = prompt_states.per_position()  # [B, P, F, E]
         p_len = states.shape[1]
         # the token after each prompt position; a prompt bucket as long as the buffer has no token after
         # its last (padding) slot, so one pad column keeps the shapes equal
@@ -95,7 +95,7 @@ class EagleDrafter(FeatureDrafter):
     def observe(self, dparams, state: EagleState, gen_before, gen_after, verdict, path_states):
         active = ~gen_before.done
         count = jnp.where(active, verdict.n_path, 0)
-        fused = jnp.moveaxis(path_states["layers"], 0, 2)  # [B, P, F, E]
+        fused = path_states.per_position()  # [B, P, F, E]
         t = fused.shape[1]
         idx = jnp.clip(gen_before.seq_len[:, None] + jnp.arange(t)[None, :], 0, gen_after.seq.shape[1] - 1)
         next_tokens = jnp.take_along_axis(gen_after.seq, idx, axis=1)  # the token after each path node

@@ -46,10 +46,10 @@ class HSDDrafter(FeatureDrafter):
     policy: str = "min2"
 
     # ------------------------------------------------------------------ state
-    def init_state(self, dparams, gen, prompt_fwd):
+    def init_state(self, dparams, gen, prompt_states):
         b, s = gen.seq.shape
         c = self.cfg
-        states = jnp.moveaxis(prompt_fwd["layers"], 0, 2)  # [B, P, F, E]
+        states = prompt_states.per_position()  # [B, P, F, E]
         x = self._net().apply({"params": dparams["net"]}, states, method=FeatureDrafterNet.fuse_states)
         ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len, self.attention,
                            empty=True)
@@ -132,7 +132,7 @@ class HSDDrafter(FeatureDrafter):
         net, p = self._net(), dparams["net"]
         active = ~gen_before.done
         count = jnp.where(active, verdict.n_path, 0)
-        fused = jnp.moveaxis(path_states["layers"], 0, 2)  # [B, P, F, E]
+        fused = path_states.per_position()  # [B, P, F, E]
         x = net.apply({"params": p}, fused, method=FeatureDrafterNet.fuse_states)
         ctx, fresh_state = ingest(net, p, state.ctx, x, count, self.attention)
         # shift the chain by the advance; the fresh ingest output replaces the kept guess for the root

@@ -69,9 +69,9 @@ class DraftLMDrafter(Drafter):
     def _model(self) -> Transformer:
         return Transformer(self.draft_cfg)
 
-    def init_state(self, dparams, gen, prompt_fwd):
+    def init_state(self, dparams, gen, prompt_states):
         b, s = gen.seq.shape
-        prompt = gen.seq[:, : prompt_fwd["hidden"].shape[1]]
+        prompt = gen.seq[:, : prompt_states.hidden.shape[1]]
         p = prompt.shape[1]
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         fwd = self._model().apply({"params": dparams}, prompt, positions, causal_mask(gen.prompt_len, p))

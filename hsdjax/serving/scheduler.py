@@ -103,7 +103,7 @@ class Choice:
     finish_reason: str | None = None
     decoded: int = 0  # tokens after the first, target passes and drafter passes, set when it finishes
     passes: int = 0
-    draft_steps: int = 0
+    draft_passes: int = 0
 
     def result(self) -> dict[str, Any]:
         return {"index": self.index, "text": self.stream.text, "finish_reason": self.finish_reason,
@@ -329,8 +329,7 @@ class Scheduler:
         r = f.req
         nb = engine.pick_bucket(r.n, self.buckets, "a batch")
         p_bucket = min(engine.pick_bucket(len(r.prompt_ids), engine.PROMPT_BUCKETS, "a prompt"), self.cache_size)
-        prompt = np.zeros((1, p_bucket), np.int32)
-        prompt[0, : len(r.prompt_ids)] = r.prompt_ids
+        prompt, _, _ = engine.pack_rows([r.prompt_ids], p_bucket)
         sampling = SamplingParams(temperature=jnp.asarray(np.array([r.temperature], np.float32)),
                                   top_k=jnp.asarray(np.array([r.top_k], np.int32)),
                                   top_p=jnp.asarray(np.array([r.top_p], np.float32)))
@@ -338,7 +337,7 @@ class Scheduler:
         gen, fwd = engine.prefill_done(self.params, f.fill, jnp.asarray(prompt), jnp.asarray([r.max_new], jnp.int32),
                                        sampling, keys[:1], self.stop_ids, cfg=self.cfg, spare=self.drafter.spare,
                                        top_logprobs=self.top_logprobs)
-        fwd = {name: x[..., :p_bucket, :] for name, x in fwd.items()}  # the drafter reads the prompt bucket
+        fwd = fwd.first_positions(p_bucket)  # the drafter reads the prompt bucket
         if nb > 1:
             gen, fwd = engine.fork_rows(self.params, gen, fwd, keys, cfg=self.cfg, spare=self.drafter.spare)
         return engine.start_decoding(self.dparams, gen, fwd, drafter=self.drafter)
@@ -555,7 +554,7 @@ class Scheduler:
         self._slots[i] = None
         stats = jax.tree_util.tree_map(lambda a: a[i], self._stats_np())
         c.decoded = int(np.asarray(self._state.gen.seq_len)[i]) - len(c.req.prompt_ids) - 1
-        c.passes, c.draft_steps = int(stats.target_passes), int(stats.draft_passes)
+        c.passes, c.draft_passes = int(stats.target_passes), int(stats.draft_passes)
         c.finish_reason = reason
         with self._cond:
             self._occupied -= 1
@@ -586,7 +585,7 @@ class Scheduler:
                 "method": self.method,
                 "mean_accepted_length": round(decoded / passes, 4) if passes else None,
                 "target_passes": passes,
-                "draft_steps": sum(c.draft_steps for c in r.choices),
+                "draft_passes": sum(c.draft_passes for c in r.choices),
                 "queue_s": round((r.t_admitted or now) - r.t_arrival, 4),
                 "ttft_s": round((r.t_first or now) - r.t_arrival, 4),
                 "total_s": round(now - r.t_arrival, 4),
