@@ -6,7 +6,7 @@ HSDJAX := $(VENV)/bin/hsdjax
 DEFAULT_MODEL := smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow setup model model-runtime bench-ar clean
+.PHONY: demo test test-slow setup model model-runtime cpu-matmul bench-ar clean
 
 # The runtime alone (what `make demo` needs: no torch, transformers or llama.cpp).
 $(VENV)/.runtime: pyproject.toml
@@ -38,13 +38,18 @@ model-runtime: $(VENV)/.runtime
 model: setup
 	$(HSDJAX) models pull $(DEFAULT_MODEL)
 
-demo: model-runtime
+# hsdjax's CPU matmul kernel (kernels/cpu_matmul.cc), compiled for this machine when a C++ compiler is
+# present (seconds); without one, models keep XLA's matmul.
+cpu-matmul: $(VENV)/.runtime
+	$(HSDJAX) cpu-matmul build --optional
+
+demo: model-runtime cpu-matmul
 	$(HSDJAX) demo
 
-test: model
+test: model cpu-matmul
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-slow: model
+test-slow: model cpu-matmul
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 bench-ar: model

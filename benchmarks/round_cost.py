@@ -396,6 +396,7 @@ def _drafter_loop_fn():
     import jax
     import jax.numpy as jnp
 
+    from hsdjax.drafters.base import TargetStates
     from hsdjax.verify import Verdict
 
     @partial(jax.jit, static_argnames=("drafter", "rounds", "vocab"))
@@ -417,8 +418,8 @@ def _drafter_loop_fn():
             emitted = verdict.emitted(tree)
             seq = jax.vmap(lambda row, new, s: jax.lax.dynamic_update_slice(row, new, (s,)))(g.seq, emitted, g.seq_len)
             new_g = g.replace(seq=seq, seq_len=g.seq_len + n)
-            states = {"hidden": jax.lax.dynamic_index_in_dim(hidden_pool, i % pool, keepdims=False),
-                      "layers": jax.lax.dynamic_index_in_dim(layers_pool, i % pool, keepdims=False)}
+            states = TargetStates(hidden=jax.lax.dynamic_index_in_dim(hidden_pool, i % pool, keepdims=False),
+                                  layers=jax.lax.dynamic_index_in_dim(layers_pool, i % pool, keepdims=False))
             d = drafter.observe(dparams, d, g, new_g, verdict, states)
             return d, new_g, check + fold
 

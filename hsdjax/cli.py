@@ -1,5 +1,5 @@
 """The ``hsdjax`` command line: generate, chat, models (list / pull / info), demo, bench, tune,
-train-drafter, serve.
+train-drafter, serve, cpu-matmul (build / status).
 
 Every user mistake (unknown model, empty prompt, bad numbers, a prompt beyond the context) ends with
 one line on stderr and exit status 2, never a traceback.
@@ -61,6 +61,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_method: str = "ar") -> N
     _add_method_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--cpu-matmul", choices=("auto", "on", "off"), default=None,
+                   help="hsdjax's CPU matmul kernel (auto: when built with `hsdjax cpu-matmul build`; "
+                        "default: $HSDJAX_CPU_MATMUL or auto)")
     add_mesh_args(p)
 
 
@@ -152,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--epochs", type=_float_in(0.0, 1000.0, lo_open=True), default=None)
     add_mesh_args(tr)
 
+    k = sub.add_parser("cpu-matmul", help="build or check hsdjax's optional CPU matmul kernel (needs a C++ compiler)")
+    k.add_argument("action", choices=("build", "status"), nargs="?", default="status")
+    k.add_argument("--optional", action="store_true", help="build: without a compiler, say so and exit 0")
+
     d = sub.add_parser("demo", help="generate a short chat answer with the default model and show tokens/s")
     _add_model_args(d)
     d.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -167,12 +174,14 @@ def _log(msg: str) -> None:
 
 def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype, progress=not quiet, mesh=mesh_from_args(args))
+    model = load_model(args.model, dtype=args.dtype, progress=not quiet, mesh=mesh_from_args(args),
+                       cpu_matmul=args.cpu_matmul)
     gen = Generator(model, method=args.method, **_method_options(args))
     if not quiet:
         cached = "cached weights" if model.timings.get("cached") else "converted and cached weights"
         _log(f"loaded {model.name} ({model.cfg.family}, {model.cfg.num_params() / 1e6:.0f}M params, "
-             f"{model.cfg.dtype}) in {time.perf_counter() - t0:.1f}s ({cached})")
+             f"{model.cfg.dtype}{', CPU matmul kernel' if model.cfg.cpu_matmul else ''}) in "
+             f"{time.perf_counter() - t0:.1f}s ({cached})")
     return gen
 
 
@@ -301,12 +310,38 @@ def _demo_methods(model_name: str, asked: str) -> list[str]:
     return ["pld"] + (["hsd"] if has_shipped_drafter(model_name, "hsd") else [])
 
 
+def cmd_cpu_matmul(args: argparse.Namespace) -> int:
+    """Build the CPU matmul kernel once per machine, or say whether models will use it."""
+    from hsdjax.kernels import cpu_matmul
+
+    if args.action == "build":
+        if cpu_matmul.is_built():
+            _log(f"the CPU matmul kernel is built: {cpu_matmul.library_path()}")
+            return 0
+        _log("== building hsdjax's CPU matmul kernel (a few seconds)")
+        try:
+            path = cpu_matmul.build()
+        except cpu_matmul.CpuMatmulError as exc:
+            if args.optional:
+                _log(f"skipped: {exc}")
+                return 0
+            raise HsdjaxError(str(exc)) from None
+        _log(f"built {path}; models load with it on this CPU (turn off: --cpu-matmul off or HSDJAX_CPU_MATMUL=off)")
+        return 0
+    built = cpu_matmul.is_built()
+    print(f"CPU matmul kernel: {'built' if built else 'not built'} ({cpu_matmul.library_path()})"
+          + ("" if built else "; build it with `hsdjax cpu-matmul build`"))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Plain decoding and speculative methods side by side on one chat prompt, with the check that
     the greedy outputs are identical."""
-    model = load_model(args.model, dtype=args.dtype, progress=True, mesh=mesh_from_args(args))
+    model = load_model(args.model, dtype=args.dtype, progress=True, mesh=mesh_from_args(args),
+                       cpu_matmul=args.cpu_matmul)
     methods = _demo_methods(model.name, args.method)
-    _log(f"model {model.name}; prompt: {args.prompt!r}")
+    kernel = "hsdjax's CPU matmul kernel" if model.cfg.cpu_matmul else "XLA's matmul"
+    _log(f"model {model.name} ({kernel}); prompt: {args.prompt!r}")
     runs = {}
     for name in ("ar", *methods):
         gen = Generator(model, method=name, **(_method_options(args) if name != "ar" else {}))
@@ -378,7 +413,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"bench": cmd_bench, "tune": cmd_tune, "generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "demo": cmd_demo,
-            "train-drafter": cmd_train_drafter}
+            "train-drafter": cmd_train_drafter, "cpu-matmul": cmd_cpu_matmul}
 
 
 def _chunk_setting(text: str) -> int | None:

@@ -39,6 +39,9 @@ class ModelConfig:
     # q/k/v as one matmul (``wqkv``) and gate/up as one (``w_gate_up``): fewer, wider matmuls (see
     # ``hsdjax.model.fuse_projections``); opt-in, unsharded models only (a split over heads needs them apart).
     fused_projections: bool = False
+    # Projections and the LM head through hsdjax's CPU matmul kernel (``hsdjax.kernels.cpu_matmul``):
+    # weights packed in panels, head packed as ``head_panels``. Set by ``load_model`` on CPU when built.
+    cpu_matmul: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:

@@ -21,6 +21,7 @@ import numpy as np
 from hsdjax import registry, sharding
 from hsdjax.config import ModelConfig
 from hsdjax.errors import HsdjaxError
+from hsdjax.kernels import cpu_matmul as cpu_matmul_kernel
 from hsdjax.model import fuse_projections, unstack_layers
 from hsdjax.paths import cache_dir
 from hsdjax.tokenizer import Tokenizer
@@ -84,8 +85,28 @@ def default_layer_loop() -> str:
     return "unrolled" if jax.default_backend() == "cpu" else "scan"
 
 
+def use_cpu_matmul(setting: str | None, cfg: ModelConfig, mesh: Any) -> bool:
+    """Whether a model loads with the CPU matmul kernel (see ``load_model``)."""
+    setting = setting or os.environ.get("HSDJAX_CPU_MATMUL") or "auto"
+    if setting not in ("auto", "on", "off"):
+        raise HsdjaxError(f"cpu_matmul must be auto, on or off (got {setting!r})")
+    if setting == "off":
+        return False
+    why = cpu_matmul_kernel.unsupported(cfg)
+    if jax.default_backend() != "cpu":
+        why = f"the backend is {jax.default_backend()}, not the CPU"
+    elif mesh is not None:
+        why = "the model is sharded over a mesh"
+    elif why is None and not cpu_matmul_kernel.load():
+        why = "the kernel is not built (run `hsdjax cpu-matmul build`)"
+    if why and setting == "on":
+        raise HsdjaxError(f"cpu_matmul=on, but {why}")
+    return why is None
+
+
 def load_model(name_or_path: str | None = None, *, dtype: str | None = None, layer_loop: str | None = None,
-               progress: bool = False, mesh: Any = None, fused_projections: bool = False) -> LoadedModel:
+               progress: bool = False, mesh: Any = None, fused_projections: bool = False,
+               cpu_matmul: str | None = None) -> LoadedModel:
     """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder.
 
     ``fused_projections``: q/k/v and gate/up as one matmul each (``hsdjax.model.fuse_projections``;
@@ -96,6 +117,11 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     default: see ``default_layer_loop``. ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, a
     dict of axis sizes or a string like ``"data=1,model=8"``) shards the params tensor-parallel (see
     ``hsdjax.sharding``); None keeps them on one device.
+
+    ``cpu_matmul``: ``auto`` runs the projections and the LM head through hsdjax's CPU matmul kernel
+    (``hsdjax.kernels.cpu_matmul``) when it is built (``hsdjax cpu-matmul build``), the backend is the
+    CPU, the model computes in float32 and is unsharded; ``on`` insists (an error says what is
+    missing); ``off`` keeps XLA's dot. Default: ``$HSDJAX_CPU_MATMUL``, else ``auto``.
     """
     mesh = sharding.make_mesh(mesh)
     layer_loop = layer_loop or default_layer_loop()
@@ -115,6 +141,9 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     if fused_projections:
         params = fuse_projections(params)
         cfg = cfg.replace(fused_projections=True)
+    if use_cpu_matmul(cpu_matmul, cfg, mesh):
+        params = cpu_matmul_kernel.pack_params(params, cfg.tie_embeddings)
+        cfg = cfg.replace(cpu_matmul=True)
     if layer_loop == "unrolled":
         params = unstack_layers(params)
     params = sharding.shard_params(cfg, params, mesh)

@@ -20,6 +20,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.config import ModelConfig
+from hsdjax.kernels.cpu_matmul import PANEL, panel_matmul
 from hsdjax.kernels.tree_attention import NEG_INF, attention_fn  # noqa: F401  (NEG_INF re-exported)
 
 
@@ -131,16 +132,21 @@ class Block(nn.Module):
         def p(name, shape, init=_dense_init()):
             return self.param(name, init, shape, jnp.float32).astype(dt)
 
+        def dense(h, name, k_in, n_out):  # h @ W[k_in, n_out] (stored as panels with cpu_matmul)
+            if cfg.cpu_matmul:
+                return panel_matmul(h, p(name, (n_out // PANEL, k_in, PANEL)))
+            return h @ p(name, (k_in, n_out))
+
         x_in = x
         h = rms_norm(x, p("attn_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
         zeros = nn.initializers.zeros
         if cfg.fused_projections:
-            qkv = h @ p("wqkv", (e, hq + 2 * hk))
+            qkv = dense(h, "wqkv", e, hq + 2 * hk)
             if cfg.qkv_bias:
                 qkv = qkv + p("bqkv", (hq + 2 * hk,), zeros)
             q, k, v = qkv[..., :hq], qkv[..., hq: hq + hk], qkv[..., hq + hk:]
         else:
-            q, k, v = h @ p("wq", (e, hq)), h @ p("wk", (e, hk)), h @ p("wv", (e, hk))
+            q, k, v = dense(h, "wq", e, hq), dense(h, "wk", e, hk), dense(h, "wv", e, hk)
             if cfg.qkv_bias:
                 q, k, v = q + p("bq", (hq,), zeros), k + p("bk", (hk,), zeros), v + p("bv", (hk,), zeros)
         b, t = x.shape[:2]
@@ -148,16 +154,16 @@ class Block(nn.Module):
         k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), cos, sin)
         v = v.reshape(b, t, cfg.num_kv_heads, d)
         attn = attention_fn(cfg.attention)(q, cache_k, cache_v, cache_len, k, v, new_mask)
-        x = x + attn.reshape(b, t, hq) @ p("wo", (hq, e))
+        x = x + dense(attn.reshape(b, t, hq), "wo", hq, e)
 
         h = rms_norm(x, p("mlp_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
         f = cfg.intermediate_size
         if cfg.fused_projections:
-            gate_up = h @ p("w_gate_up", (e, 2 * f))
+            gate_up = dense(h, "w_gate_up", e, 2 * f)
             gate, up = gate_up[..., :f], gate_up[..., f:]
         else:
-            gate, up = h @ p("w_gate", (e, f)), h @ p("w_up", (e, f))
-        x = x + (jax.nn.silu(gate) * up) @ p("w_down", (cfg.intermediate_size, e))
+            gate, up = dense(h, "w_gate", e, f), dense(h, "w_up", e, f)
+        x = x + dense(jax.nn.silu(gate) * up, "w_down", f, e)
         return x, (k, v, x_in)
 
 
@@ -172,6 +178,9 @@ class Transformer(nn.Module):
         self.final_norm = self.param("final_norm", nn.initializers.ones, (cfg.hidden_size,), jnp.float32)
         if not cfg.tie_embeddings:
             self.lm_head = self.param("lm_head", _dense_init(), (cfg.hidden_size, cfg.vocab_size), jnp.float32)
+        if cfg.cpu_matmul:  # the LM head packed for the kernel (``cpu_matmul.pack_params``)
+            self.head_panels = self.param("head_panels", _dense_init(),
+                                          (cfg.vocab_size // PANEL, cfg.hidden_size, PANEL), jnp.float32)
         if cfg.scan_layers:
             self.layers = nn.scan(
                 Block,
@@ -227,6 +236,8 @@ class Transformer(nn.Module):
     def logits(self, hidden: Float[Array, "... E"]) -> Float[Array, "... V"]:
         """LM head (the tied embedding matrix or the separate head); float32 logits."""
         dt = jnp.dtype(self.cfg.dtype)
+        if self.cfg.cpu_matmul:
+            return panel_matmul(hidden, self.head_panels)
         if self.cfg.tie_embeddings:  # contract with the [V, E] embedding directly: no transposed copy
             return jnp.einsum("...e,ve->...v", hidden, self.embed.astype(dt), preferred_element_type=jnp.float32)
         return jnp.matmul(hidden, self.lm_head.astype(dt), preferred_element_type=jnp.float32)
