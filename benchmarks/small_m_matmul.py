@@ -4,7 +4,9 @@ Runs SmolLM2-135M's matmul chain (30 layers of q/k/v/o and gate/up/down, then th
 float32, random weights) for T tokens two ways, interleaved, medians over ``--repeats``:
 
 * ``xla``: the chain jitted (what the model runs);
-* ``blas``: the same chain through NumPy, i.e. OpenBLAS's sgemm (Python dispatch included, ~0.2 ms).
+* ``blas``: the same chain through NumPy, i.e. OpenBLAS's sgemm (Python dispatch included, ~0.2 ms);
+* ``kernel``: the chain jitted through hsdjax's CPU matmul kernel on panel-packed weights (when built:
+  ``hsdjax cpu-matmul build``).
 
 It prints absolute milliseconds and both ratios: each engine's T-token time over its own one-token
 time (the growth the round-cost issue quoted) and over XLA's one-token time (what a speculative round
@@ -48,6 +50,13 @@ def main() -> None:
     layers, head = weights()
     layers_j, head_j = jax.device_put(layers), jax.device_put(head)
     xla = jax.jit(lambda x, ls, h: chain(x, ls, h, jnp.matmul, jax.nn.silu))
+    from hsdjax.kernels import cpu_matmul
+
+    kernel = cpu_matmul.load()
+    if kernel:
+        packed = jax.device_put([{k: cpu_matmul.pack(v) for k, v in w.items()} for w in layers])
+        head_p = jax.device_put(cpu_matmul.pack(head))
+        panel = jax.jit(lambda x, ls, h: chain(x, ls, h, cpu_matmul.panel_matmul, jax.nn.silu))
     np_silu = lambda a: a / (1.0 + np.exp(-a))  # noqa: E731
     rng = np.random.default_rng(1)
     out: dict[int, dict[str, float]] = {}
@@ -58,6 +67,9 @@ def main() -> None:
         assert np.allclose(got_x, got_b, atol=1e-3 * np.abs(got_x).max()), "the two chains disagree"
         runs = {"xla": lambda: xla(xj, layers_j, head_j).block_until_ready(),
                 "blas": lambda: chain(x, layers, head, np.matmul, np_silu)}
+        if kernel:
+            assert np.allclose(np.asarray(panel(xj, packed, head_p)), got_x, atol=1e-3 * np.abs(got_x).max())
+            runs["kernel"] = lambda: panel(xj, packed, head_p).block_until_ready()
         times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.repeats):
             for name, fn in runs.items():
@@ -66,11 +78,14 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
         out[t] = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
     first = min(out)
-    print("| T | XLA ms | OpenBLAS ms | XLA / XLA T=1 | OpenBLAS / OpenBLAS T=1 | OpenBLAS / XLA T=1 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    extra = " kernel ms | kernel / XLA T=1 |" if kernel else ""
+    print("| T | XLA ms | OpenBLAS ms | XLA / XLA T=1 | OpenBLAS / OpenBLAS T=1 | OpenBLAS / XLA T=1 |" + extra)
+    print("| --- " * (6 + 2 * kernel) + "|")
     for t, r in out.items():
-        print(f"| {t} | {r['xla']:.1f} | {r['blas']:.1f} | {r['xla'] / out[first]['xla']:.2f} | "
-              f"{r['blas'] / out[first]['blas']:.2f} | {r['blas'] / out[first]['xla']:.2f} |")
+        x1 = out[first]["xla"]
+        tail = f" {r['kernel']:.1f} | {r['kernel'] / x1:.2f} |" if kernel else ""
+        print(f"| {t} | {r['xla']:.1f} | {r['blas']:.1f} | {r['xla'] / x1:.2f} | "
+              f"{r['blas'] / out[first]['blas']:.2f} | {r['blas'] / x1:.2f} |" + tail)
 
 
 if __name__ == "__main__":

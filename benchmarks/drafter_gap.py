@@ -1,0 +1,69 @@
+"""Is a feature drafter's low acceptance on the dev sets an inference bug or what it learned?
+
+For the first questions of each dev set, records `ar`'s greedy answer with the target's states and
+top-k logits exactly as the training data are recorded (``generate_recorded``), computes the
+training metric (top-1 agreement per rollout step, ``rollout_loss``) on that answer, and runs the
+drafter in the decoding loop (``--lookup 0``, depth 1) on the same question. If the loop's first-draft
+acceptance matches the training metric's step 1 on the same text, inference reproduces training and
+acceptance is limited by the drafter itself:
+
+    python benchmarks/drafter_gap.py --method hsd --limit 2 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+EVAL = "../shared/data/eval/"
+SETS = ("mt_bench", "gsm8k", "humaneval", "alpaca")
+OPTS = {"rollout": 4, "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "feature_noise": 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--method", choices=("hsd", "eagle"), default="hsd")
+    ap.add_argument("--limit", type=int, default=2, help="questions per dev set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+
+    from hsdjax.api import Generator, load_model
+    from hsdjax.bench.questions import read_questions
+    from hsdjax.drafters.checkpoint import frozen_from_target, load_drafter, shipped_path
+    from hsdjax.train.datagen import generate_recorded, recording_generator
+    from hsdjax.train.train import WindowData, rollout_loss
+
+    model = load_model(args.model)
+    questions = [(name, q) for name in SETS for q in read_questions(f"{EVAL}{name}.jsonl")[: args.limit]]
+    recorder = recording_generator(model, 8)
+    rows = [recorder.encode_prompt(q.turns[0]) for _, q in questions]
+    rec = generate_recorded(recorder, rows, args.max_new_tokens, 0.0, seed=0)
+    rec["states"] = rec["states"].view(ml_dtypes.bfloat16)
+    cfg, _, dparams, _ = load_drafter(shipped_path(model.name, args.method), model, args.method)
+    full = frozen_from_target(model)
+    ids = np.asarray(dparams["vocab_ids"])
+    frozen = {"embed": full["embed"], "head": jnp.take(full["head_full"], jnp.asarray(ids), axis=0),
+              "final_norm": full["final_norm"]}
+    vocab_map = np.full((full["embed"].shape[0],), -1, np.int32)
+    vocab_map[ids] = np.arange(len(ids), dtype=np.int32)
+    gen = Generator(model, args.method, lookup=0, depth=1, budget=1)
+    print(f"{args.method}: training metric (top-1 agreement at rollout steps 1-4) vs the decoding loop's "
+          "first-draft acceptance, same answers")
+    for i, (name, q) in enumerate(questions):
+        n = int(np.sum(rec["doc"] == i))
+        window = WindowData(rec, vocab_map, n, 0.3, np.array([i])).batch(np.array([0]))
+        _, metrics = rollout_loss(dparams["net"], {k: jnp.asarray(v) for k, v in window.items()}, frozen, cfg, OPTS)
+        steps = " / ".join(f"{float(metrics[f'acc{s}']):.2f}" for s in range(1, 5))
+        r = gen.generate(q.turns[0], max_new_tokens=args.max_new_tokens)[0]
+        loop = r.stats["accepted_drafts"] / r.stats["target_passes"]
+        same = r.tokens == rec["tokens"][rec["doc"] == i][len(rows[i]):].tolist() + [r.tokens[-1]]
+        print(f"{name:<10} q{q.question_id:<5} training metric {steps}   loop {loop:.2f}   "
+              f"(answer {'identical' if same else 'differs'})")
+
+
+if __name__ == "__main__":
+    main()
