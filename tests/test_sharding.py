@@ -299,7 +299,7 @@ def _prefill_check(cfg: ModelConfig, params: dict, mesh: str) -> dict:
         placed = sharding.shard_params(cfg, params, m)
         gen, fwd = engine.prefill(placed, *sharding.place_inputs(inputs, m).values(), cfg=cfg, cache_size=256)
         k = gen.cache.k[-1] if isinstance(gen.cache.k, tuple) else gen.cache.k
-        return np.asarray(head(placed, fwd["hidden"]))[:, :11], k
+        return np.asarray(head(placed, fwd.hidden))[:, :11], k
 
     (single, k1), (sharded, k8) = run(None), run(sharding.make_mesh(mesh))
     return {"max_abs_diff": float(np.max(np.abs(sharded - single))),
