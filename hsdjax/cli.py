@@ -61,7 +61,7 @@ def _add_model_args(p: argparse.ArgumentParser, default_method: str = "ar") -> N
     _add_method_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
-    p.add_argument("--cpu-matmul", choices=("auto", "on", "off"), default=None,
+    p.add_argument("--cpu-matmul", choices=("auto", "on", "off", "float32"), default=None,
                    help="hsdjax's CPU matmul kernel (auto: when built with `hsdjax cpu-matmul build`; "
                         "default: $HSDJAX_CPU_MATMUL or auto)")
     add_mesh_args(p)
@@ -401,10 +401,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"best: depth {b['depth']}, budget {b['budget']}, width {b['width']} "
               f"(expected {b['tokens_per_s'] * r['plain_round_s']:.2f}x plain decoding)")
     else:
-        print(f"{'width':>5} {'depth':>5} {'nodes':>5} {'tokens/pass':>11} {'vs ar':>6}")
+        print(f"{'width':>5} {'depth':>5} {'nodes':>5} {'tokens/pass':>11} {'whole tree':>10} {'vs ar':>6}")
         for c in top[:8]:
             print(f"{c['width']:>5} {c['depth']:>5} {c['nodes']:>5} {c['tokens_per_pass']:>11.2f} "
-                  f"{c['tokens_per_s'] * base:>5.2f}x")
+                  f"{c['whole_tree_share']:>10.2f} {c['tokens_per_s'] * base:>5.2f}x")
         b = r["best"]
         print(f"best: width {b['width']}, depth {b['depth']} (expected {b['tokens_per_s'] * base:.2f}x plain decoding)")
     if r.get("written"):

@@ -20,6 +20,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.config import ModelConfig
+from hsdjax.kernels.cpu_attention import tree_attention_cpu
 from hsdjax.kernels.cpu_matmul import PANEL, panel_matmul
 from hsdjax.kernels.tree_attention import NEG_INF, attention_fn  # noqa: F401  (NEG_INF re-exported)
 
@@ -133,7 +134,9 @@ class Block(nn.Module):
             return self.param(name, init, shape, jnp.float32).astype(dt)
 
         def dense(h, name, k_in, n_out):  # h @ W[k_in, n_out] (stored as panels with cpu_matmul)
-            if cfg.cpu_matmul:
+            if cfg.cpu_matmul:  # float32 or compressed panels (``cpu_matmul.pack_params``)
+                if self.has_variable("params", name):
+                    return panel_matmul(h, self.get_variable("params", name))
                 return panel_matmul(h, p(name, (n_out // PANEL, k_in, PANEL)))
             return h @ p(name, (k_in, n_out))
 
@@ -153,7 +156,8 @@ class Block(nn.Module):
         q = apply_rope(q.reshape(b, t, cfg.num_heads, d), cos, sin)
         k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), cos, sin)
         v = v.reshape(b, t, cfg.num_kv_heads, d)
-        attn = attention_fn(cfg.attention)(q, cache_k, cache_v, cache_len, k, v, new_mask)
+        attend = tree_attention_cpu if cfg.cpu_matmul else attention_fn(cfg.attention)  # CPU kernels on
+        attn = attend(q, cache_k, cache_v, cache_len, k, v, new_mask)
         x = x + dense(attn.reshape(b, t, hq), "wo", hq, e)
 
         h = rms_norm(x, p("mlp_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
@@ -178,9 +182,8 @@ class Transformer(nn.Module):
         self.final_norm = self.param("final_norm", nn.initializers.ones, (cfg.hidden_size,), jnp.float32)
         if not cfg.tie_embeddings:
             self.lm_head = self.param("lm_head", _dense_init(), (cfg.hidden_size, cfg.vocab_size), jnp.float32)
-        if cfg.cpu_matmul:  # the LM head packed for the kernel (``cpu_matmul.pack_params``)
-            self.head_panels = self.param("head_panels", _dense_init(),
-                                          (cfg.vocab_size // PANEL, cfg.hidden_size, PANEL), jnp.float32)
+        if cfg.cpu_matmul and self.is_initializing():  # the LM head packed (``cpu_matmul.pack_params``)
+            self.param("head_panels", _dense_init(), (cfg.vocab_size // PANEL, cfg.hidden_size, PANEL), jnp.float32)
         if cfg.scan_layers:
             self.layers = nn.scan(
                 Block,
@@ -236,8 +239,8 @@ class Transformer(nn.Module):
     def logits(self, hidden: Float[Array, "... E"]) -> Float[Array, "... V"]:
         """LM head (the tied embedding matrix or the separate head); float32 logits."""
         dt = jnp.dtype(self.cfg.dtype)
-        if self.cfg.cpu_matmul:
-            return panel_matmul(hidden, self.head_panels)
+        if self.cfg.cpu_matmul:  # float32 or compressed panels
+            return panel_matmul(hidden, self.get_variable("params", "head_panels"))
         if self.cfg.tie_embeddings:  # contract with the [V, E] embedding directly: no transposed copy
             return jnp.einsum("...e,ve->...v", hidden, self.embed.astype(dt), preferred_element_type=jnp.float32)
         return jnp.matmul(hidden, self.lm_head.astype(dt), preferred_element_type=jnp.float32)

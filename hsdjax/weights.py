@@ -279,3 +279,78 @@ def _progress(total: int, desc: str, enabled: bool) -> Callable[[int], None]:
             bar.close()
 
     return update
+
+
+# ------------------------------------------------------------------------------------------ block scales
+
+
+def _block_scales(t: Any) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """A GGUF tensor's per-block scale and offset as its dequantizer computes them (float32, one row
+    per output feature, one column per block along the input), and the block length; None for types
+    whose blocks are not a scale and offset over codes (or are not handled here)."""
+    import gguf
+
+    kind = t.tensor_type
+    data = np.asarray(t.data)
+    rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+    raw = data.reshape(rows, -1).view(np.uint8)
+    T = gguf.GGMLQuantizationType
+
+    def f16(b: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0]
+
+    if kind in (T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1):
+        size = {T.Q8_0: 34, T.Q4_0: 18, T.Q5_0: 22, T.Q4_1: 20, T.Q5_1: 24}[kind]
+        blocks = raw.reshape(rows, -1, size)
+        scale = f16(blocks[..., 0:2])
+        offset = f16(blocks[..., 2:4]) if kind in (T.Q4_1, T.Q5_1) else np.zeros_like(scale)
+        return scale, offset, 32
+    if kind == T.Q4_K:
+        blocks = raw.reshape(-1, 144)
+        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = d[:, None] * sc.astype(np.float32)
+        offset = -(dmin[:, None] * m.astype(np.float32))
+        return scale.reshape(rows, -1), offset.reshape(rows, -1), 32
+    if kind == T.Q6_K:
+        blocks = raw.reshape(-1, 210)
+        d = f16(blocks[:, 208:210])
+        scale = d[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        return scale.reshape(rows, -1), np.zeros((rows, scale.size // rows), np.float32), 16
+    return None
+
+
+def gguf_block_scales(path: Path, cfg: ModelConfig) -> dict[str, Any]:
+    """Per projection of a GGUF model, the block scales and offsets its dequantizer used, in the
+    canonical [in / block, out] layout: ``{"blocks_3/wq": (scale, offset, block), "head": ...}`` (layer
+    names as after ``unstack_layers``; only tensors whose type has such blocks). The CPU matmul kernel
+    uses them to store those weights compressed (``kernels.cpu_matmul.compress_weight``)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    out: dict[str, Any] = {}
+
+    def add(key: str, name: str, permute_heads: int | None = None) -> None:
+        if name not in tensors:
+            return
+        found = _block_scales(tensors[name])
+        if found is None:
+            return
+        scale, offset, block = found
+        if permute_heads:
+            scale, offset = unpermute_rope_rows(scale, permute_heads), unpermute_rope_rows(offset, permute_heads)
+        out[key] = (np.ascontiguousarray(scale.T), np.ascontiguousarray(offset.T), block)
+
+    for i in range(cfg.num_layers):
+        for suffix, (name, transpose) in _GGUF_LAYER_NAMES.items():
+            if not transpose:
+                continue
+            heads = None
+            if cfg.family == "llama" and name == "wq":
+                heads = cfg.num_heads
+            elif cfg.family == "llama" and name == "wk":
+                heads = cfg.num_kv_heads
+            add(f"blocks_{i}/{name}", f"blk.{i}.{suffix}", heads)
+    add("head", "token_embd.weight" if cfg.tie_embeddings else "output.weight")
+    return out

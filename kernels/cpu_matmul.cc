@@ -1,6 +1,19 @@
 // hsdjax's CPU matmul for small M (an XLA FFI custom call; optional, built by `hsdjax cpu-matmul build`).
 //
-//   y[M, N] = x[M, K] @ W, with W packed in panels wp[N/32, K, 32] (float32)
+//   y[M, N] = x[M, K] @ W, with W packed in panels wp[N/32, K, 32] (float32), or in compressed panels
+//   wq[N/32, K/L, B] (bytes) when every weight of W is exactly code * scale + offset in float32 for a
+//   per-column scale (and offset) in each block of L rows of k, what a GGUF's block-quantized tensors
+//   dequantize to. Two formats:
+//     4-bit: L = 32, a block holds 32 scales and 32 offsets (f32), then 32 rows of 4-bit codes
+//            (column j in the low nibble of byte j, column j + 16 in the high one): B = 768
+//            (Q4_1, Q4_K);
+//     8-bit: L = 16, 32 scales (f32), then 16 rows of int8 codes, no offset: B = 640 (Q8_0, Q6_K,
+//            Q5_0, Q4_0).
+//   The packer checked that code * scale is exact where there is an offset and that the weight is
+//   what the decode gives, so fused or not the decode yields the weight's float32 bits, and the
+//   compressed and float32 panels give bitwise-equal products while a one-token step, which streams
+//   every weight once, reads 4-6x fewer bytes. Built with -ffp-contract=fast: the chains over k are
+//   fused multiply-adds, the same in every tile.
 //
 // Every output is one multiply-add chain over k = 0 .. K-1 whatever M is, so a T-token tree pass and a
 // one-token `ar` step compute bitwise-equal matmul outputs. A panel (K x 32 weights, contiguous) is read
@@ -9,6 +22,9 @@
 #include <atomic>
 #include <algorithm>
 #include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
@@ -18,57 +34,187 @@ namespace ffi = xla::ffi;
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
 constexpr int64_t kPanel = 32;
 
-template <int MT>
-void Tile(const float* x, int64_t k_len, const float* wp, float* y, int64_t n) {
+// The two compressed formats (see the top of the file).
+template <int BITS>
+struct Format {
+  static constexpr int64_t kRows = BITS == 4 ? 32 : 16;                // k per block
+  static constexpr int64_t kHeader = (BITS == 4 ? 2 : 1) * kPanel * 4;  // scales (+ offsets), f32
+  static constexpr int64_t kRowBytes = BITS * kPanel / 8;
+  static constexpr int64_t kBlockBytes = kHeader + kRows * kRowBytes;
+};
+
+// 16 codes to 16 floats. GCC scalarizes a vector byte -> float conversion, hence intrinsics where the
+// machine has AVX-512 and a plain loop elsewhere (same values either way: small integers are exact).
+inline v16 BytesToFloat(u8x16 b, bool is_signed) {
+#if defined(__AVX512F__)
+  __m128i raw;
+  __builtin_memcpy(&raw, &b, 16);
+  const __m512 f = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
+  v16 out;
+  __builtin_memcpy(&out, &f, 64);
+  return out;
+#else
+  v16 out;
+  for (int j = 0; j < 16; ++j) out[j] = is_signed ? static_cast<float>(static_cast<int8_t>(b[j])) : b[j];
+  return out;
+#endif
+}
+
+// The multiply-add chains of MT rows against one panel, whatever stores it: rows(use) calls
+// use(k, w0, w1) with the panel's 32 weights of row k, k = 0 .. K-1 in order. One body for float32 and
+// compressed panels, so their chains are the same by construction.
+template <int MT, typename Rows>
+inline void Chains(const float* x, int64_t k_len, float* y, int64_t n, Rows&& rows) {
   v16 a0[MT], a1[MT];
   for (int m = 0; m < MT; ++m) {
     a0[m] = v16{};
     a1[m] = v16{};
   }
-  for (int64_t k = 0; k < k_len; ++k) {
-    v16 w0, w1;
-    __builtin_memcpy(&w0, wp + k * kPanel, 64);
-    __builtin_memcpy(&w1, wp + k * kPanel + 16, 64);
+  rows([&](int64_t k, const v16& w0, const v16& w1) {
     for (int m = 0; m < MT; ++m) {
       const float xv = x[m * k_len + k];
       a0[m] += xv * w0;
       a1[m] += xv * w1;
     }
-  }
+  });
   for (int m = 0; m < MT; ++m) {
     __builtin_memcpy(y + m * n, &a0[m], 64);
     __builtin_memcpy(y + m * n + 16, &a1[m], 64);
   }
 }
 
+template <int MT>
+void Tile(const float* x, int64_t k_len, const float* wp, float* y, int64_t n) {
+  Chains<MT>(x, k_len, y, n, [&](auto&& use) {
+    for (int64_t k = 0; k < k_len; ++k) {
+      v16 w0, w1;
+      __builtin_memcpy(&w0, wp + k * kPanel, 64);
+      __builtin_memcpy(&w1, wp + k * kPanel + 16, 64);
+      use(k, w0, w1);
+    }
+  });
+}
+
+// The 32 weights of one k row of a compressed block: code * scale (exact) + offset.
+template <int BITS>
+inline void Decode(const uint8_t* codes, const v16& d0, const v16& d1, const v16& o0, const v16& o1, v16& w0,
+                   v16& w1) {
+  if constexpr (BITS == 4) {
+    u8x16 c;
+    __builtin_memcpy(&c, codes, 16);
+    v16 lo = BytesToFloat(c & 15, false);  // columns 0-15 in the low nibbles
+    v16 hi = BytesToFloat(c >> 4, false);  // columns 16-31 in the high ones
+    w0 = lo * d0 + o0;
+    w1 = hi * d1 + o1;
+  } else {
+    u8x16 c0, c1;  // int8 codes
+    __builtin_memcpy(&c0, codes, 16);
+    __builtin_memcpy(&c1, codes + 16, 16);
+    w0 = BytesToFloat(c0, true) * d0;
+    w1 = BytesToFloat(c1, true) * d1;
+  }
+}
+
+// A block's scales (and offsets).
+template <int BITS>
+inline void Header(const uint8_t* blk, v16& d0, v16& d1, v16& o0, v16& o1) {
+  __builtin_memcpy(&d0, blk, 64);
+  __builtin_memcpy(&d1, blk + 64, 64);
+  if constexpr (BITS == 4) {
+    __builtin_memcpy(&o0, blk + 128, 64);
+    __builtin_memcpy(&o1, blk + 192, 64);
+  } else {
+    o0 = v16{};
+    o1 = v16{};
+  }
+}
+
+// Walks a compressed panel row by row of k: use(k, w0, w1) with the row's 32 decoded weights.
+template <int BITS, typename Use>
+inline void WalkPanel(const uint8_t* panel, int64_t k_len, Use&& use) {
+  using F = Format<BITS>;
+  for (int64_t b = 0; b < k_len / F::kRows; ++b) {
+    const uint8_t* blk = panel + b * F::kBlockBytes;
+    v16 d0, d1, o0, o1;
+    Header<BITS>(blk, d0, d1, o0, o1);
+    for (int64_t kk = 0; kk < F::kRows; ++kk) {
+      v16 w0, w1;
+      Decode<BITS>(blk + F::kHeader + kk * F::kRowBytes, d0, d1, o0, o1, w0, w1);
+      use(b * F::kRows + kk, w0, w1);
+    }
+  }
+}
+
+// Same products as Tile on the decoded weights: the chain over k is identical, so results are too.
+template <int MT, int BITS>
+void QTile(const float* x, int64_t k_len, const uint8_t* panel, float* y, int64_t n) {
+  Chains<MT>(x, k_len, y, n, [&](auto&& use) { WalkPanel<BITS>(panel, k_len, use); });
+}
+
 struct Work {
   const float* x;
   int64_t m, k;
-  const float* wp;
+  const void* wp;
+  int64_t panel_bytes;
+  int bits;  // 32: float32 panels; 4 / 8: compressed
   int64_t p0, p1;  // panels [p0, p1)
   float* y;
   int64_t n;
 };
 
+// A whole compressed panel decoded to float32 panel layout [K, 32] (for sweeps of more than 8 rows).
+template <int BITS>
+void DecodePanel(const uint8_t* panel, int64_t k_len, float* out) {
+  WalkPanel<BITS>(panel, k_len, [out](int64_t k, const v16& w0, const v16& w1) {
+    __builtin_memcpy(out + k * kPanel, &w0, 64);
+    __builtin_memcpy(out + k * kPanel + 16, &w1, 64);
+  });
+}
+
+// Rows [m0, m0 + rows) of x against one panel; rows <= 8. bits 32: float32 panel, else compressed.
+void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) {
+  const float* xs = w.x + m0 * w.k;
+  float* ys = w.y + m0 * w.n;
+#define HSDJAX_TILE(MT)                                                                                    \
+  (bits == 4   ? QTile<MT, 4>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                        \
+   : bits == 8 ? QTile<MT, 8>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                        \
+               : Tile<MT>(xs, w.k, static_cast<const float*>(panel), ys, w.n))
+  switch (rows) {
+    case 8: HSDJAX_TILE(8); break;
+    case 7: HSDJAX_TILE(7); break;
+    case 6: HSDJAX_TILE(6); break;
+    case 5: HSDJAX_TILE(5); break;
+    case 4: HSDJAX_TILE(4); break;
+    case 3: HSDJAX_TILE(3); break;
+    case 2: HSDJAX_TILE(2); break;
+    default: HSDJAX_TILE(1); break;
+  }
+#undef HSDJAX_TILE
+}
+
+// Up to 8 rows read a compressed panel once, decoding on the fly; more rows decode it once into a
+// buffer (L2-sized) and sweep that per 8 rows. Either way every output is the same chain over k.
 void Panels(const Work& w) {
+  std::unique_ptr<float[]> decoded;
+  if (w.bits != 32 && w.m > 8) decoded.reset(new float[w.k * kPanel]);
   for (int64_t p = w.p0; p < w.p1; ++p) {
-    const float* panel = w.wp + p * w.k * kPanel;
-    for (int64_t m0 = 0; m0 < w.m; m0 += 8) {
-      const float* xs = w.x + m0 * w.k;
-      float* ys = w.y + m0 * w.n + p * kPanel;
-      switch (w.m - m0 >= 8 ? 8 : w.m - m0) {
-        case 8: Tile<8>(xs, w.k, panel, ys, w.n); break;
-        case 7: Tile<7>(xs, w.k, panel, ys, w.n); break;
-        case 6: Tile<6>(xs, w.k, panel, ys, w.n); break;
-        case 5: Tile<5>(xs, w.k, panel, ys, w.n); break;
-        case 4: Tile<4>(xs, w.k, panel, ys, w.n); break;
-        case 3: Tile<3>(xs, w.k, panel, ys, w.n); break;
-        case 2: Tile<2>(xs, w.k, panel, ys, w.n); break;
-        default: Tile<1>(xs, w.k, panel, ys, w.n); break;
+    const void* panel = static_cast<const uint8_t*>(w.wp) + p * w.panel_bytes;
+    int bits = w.bits;
+    if (decoded) {
+      if (bits == 4) {
+        DecodePanel<4>(static_cast<const uint8_t*>(panel), w.k, decoded.get());
+      } else {
+        DecodePanel<8>(static_cast<const uint8_t*>(panel), w.k, decoded.get());
       }
+      panel = decoded.get();
+      bits = 32;
     }
+    Work at = w;
+    at.y = w.y + p * kPanel;
+    for (int64_t m0 = 0; m0 < w.m; m0 += 8) Rows(at, bits, panel, m0, std::min<int64_t>(8, w.m - m0));
   }
 }
 
@@ -91,15 +237,8 @@ struct Call {
   }
 };
 
-ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions();
-  auto wd = wp.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("hsdjax panel matmul: expects x [M, K] and panels [N/32, K, 32]");
-  }
-  const int64_t m = xd[0], k = xd[1], panels = wd[0];
-  Work all{x.typed_data(), m, k, wp.typed_data(), 0, panels, y->typed_data(), panels * kPanel};
+ffi::Error RunChunks(ffi::ThreadPool& pool, const Work& all) {
+  const int64_t panels = all.p1;
   const int64_t helpers = pool.num_threads();
   if (helpers < 1 || panels < 8) {
     Panels(all);
@@ -114,6 +253,39 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = wp.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("hsdjax panel matmul: expects x [M, K] and panels [N/32, K, 32]");
+  }
+  const int64_t m = xd[0], k = xd[1], panels = wd[0];
+  return RunChunks(pool, Work{x.typed_data(), m, k, wp.typed_data(), k * kPanel * 4, 32, 0, panels, y->typed_data(),
+                        panels * kPanel});
+}
+
+ffi::Error CompressedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = wq.dimensions();
+  if (xd.size() != 2 || wd.size() != 3) {
+    return ffi::Error::InvalidArgument("hsdjax compressed matmul: expects x [M, K] and panels [N/32, K/L, B]");
+  }
+  const int64_t m = xd[0], k = xd[1], panels = wd[0], block = wd[2];
+  int bits;
+  if (block == Format<4>::kBlockBytes && k == wd[1] * Format<4>::kRows) {
+    bits = 4;
+  } else if (block == Format<8>::kBlockBytes && k == wd[1] * Format<8>::kRows) {
+    bits = 8;
+  } else {
+    return ffi::Error::InvalidArgument("hsdjax compressed matmul: blocks are 768 bytes per 32 k (4-bit) "
+                                       "or 640 per 16 (8-bit)");
+  }
+  return RunChunks(pool, Work{x.typed_data(), m, k, wq.typed_data(), wd[1] * block, bits, 0, panels,
+                              y->typed_data(), panels * kPanel});
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxPanelMatmul, PanelMatmul,
@@ -121,4 +293,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxPanelMatmul, PanelMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmul, CompressedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,20 +1,30 @@
-"""An optional CPU matmul for the small-M products of decoding: panel-packed float32 weights behind an
-XLA FFI custom call (``cpu_matmul.cc``), with a jnp reference.
+"""hsdjax's optional CPU kernels (one C++ library behind XLA FFI custom calls): the matmul for the
+small-M products of decoding, with panel-packed weights, float32 or compressed, and its jnp reference;
+the cache attention of ``cpu_attention.py`` lives in the same library.
 
-Why: on a CPU, a one-token step and a T-token tree pass both stream every weight from memory once,
-but XLA's CPU dot grows much faster than that with T (SmolLM2's matmul chain, this 2-core machine:
-T = 8 costs ~1.9x T = 1). The kernel reads each 32-column panel of a weight (packed contiguous,
-``pack``) once for up to 8 rows, sharing the panels with XLA's own intra-op thread pool. Every output is the same multiply-add chain over k
-whatever M is, so a tree pass and an `ar` step compute bitwise-equal matmul outputs.
+Why: on a CPU a one-token step and a T-token tree pass both stream every weight from memory once, but
+XLA's CPU dot grows much faster than that with T (SmolLM2's matmul chain, this 2-core machine: T = 8
+costs ~1.9x T = 1). The kernel reads each 32-column panel of a weight (packed contiguous, ``pack``)
+once for up to 8 rows, sharing the panels with XLA's own intra-op thread pool. Every output is the same
+fused multiply-add chain over k whatever M is, so a tree pass and an `ar` step compute bitwise-equal
+matmul outputs.
+
+Compressed panels: a weight whose float32 values are exactly code * scale + offset per block of k (what
+a block-quantized GGUF dequantizes to: SmolLM2's Q4_1 / Q8_0, Qwen's Q4_K / Q6_K) is stored as 4-bit or
+int8 codes plus float32 block scales and decoded on the fly to the same float32 values (``compress_weight``
+finds the codes from the file's scales, or searches float16 scales, and checks every value; anything
+else stays float32). Same products, 4-6x fewer bytes per step: SmolLM2's `ar` step 33 -> 11 ms here.
 
 It is never built by ``pip install`` (which needs no compiler): ``hsdjax cpu-matmul build`` compiles
 it once with the machine's C++ compiler into hsdjax's cache (``-march=native``: it runs where it was
-built), after which ``load_model`` uses it on CPU (``cpu_matmul="auto"``; ``"off"`` keeps XLA's dot).
+built), after which ``load_model`` uses it on CPU (``cpu_matmul="auto"``; ``"float32"`` keeps every
+weight float32; ``"off"`` keeps XLA's dot and attention).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -25,11 +35,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 PANEL = 32  # output columns per panel: two 16-float vectors per row
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cc"))  # one library: matmul and cache attention
 TARGET = "hsdjax_panel_matmul"
+COMPRESSED_TARGET = "hsdjax_compressed_matmul"
+ATTENTION_TARGET = "hsdjax_cache_attention"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
+BLOCK_ROWS = {4: 32, 8: 16}  # k per compressed block (see cpu_matmul.cc)
+HEADER = {4: 2 * PANEL * 4, 8: PANEL * 4}  # a block's scales (and offsets), float32
+BLOCK_BYTES = {b: HEADER[b] + BLOCK_ROWS[b] * PANEL * b // 8 for b in (4, 8)}  # 768 / 640
 PACKED_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wqkv", "w_gate_up")
 
 _state: dict[str, Any] = {"loaded": None}
@@ -43,8 +61,8 @@ def library_path() -> Path:
     """Where the built kernel lives: one file per source, JAX version and machine."""
     from hsdjax.paths import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + jax.__version__.encode() + platform.machine().encode()
-                         + platform.node().encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(FLAGS).encode() + jax.__version__.encode()
+                         + platform.machine().encode() + platform.node().encode()).hexdigest()[:12]
     return cache_dir("cpu_matmul") / f"libhsdjax_panel_matmul-{key}.so"
 
 
@@ -59,12 +77,11 @@ def build(compiler: str | None = None) -> Path:
         raise CpuMatmulError("no C++ compiler found (install g++, or set CXX); hsdjax keeps XLA's matmul")
     out = library_path()
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
-           str(SOURCE), "-o", str(tmp), "-lpthread"]
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp), "-lpthread"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         tmp.unlink(missing_ok=True)
-        raise CpuMatmulError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        raise CpuMatmulError(f"compiling {', '.join(f.name for f in SOURCES)} failed:\n{done.stderr[-2000:]}")
     tmp.replace(out)  # atomic: a concurrent loader sees the old file or the new one
     return out
 
@@ -77,6 +94,8 @@ def load() -> bool:
             return False
         lib = ctypes.CDLL(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HsdjaxPanelMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(COMPRESSED_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttention), platform="cpu")
         _state["loaded"] = lib
     return True
 
@@ -106,34 +125,200 @@ def unpack(wp: Float[Array, "... P K 32"]) -> Float[Array, "... K N"]:
     return jnp.swapaxes(wp, -3, -2).reshape(*lead, k, p * PANEL)
 
 
-def pack_params(params: dict[str, Any], tie_embeddings: bool) -> dict[str, Any]:
-    """Model params for a ``cpu_matmul`` config: every projection packed, plus ``head_panels`` (the LM
-    head packed; ``embed`` and ``lm_head`` stay for embedding lookups and drafters)."""
-    def layer(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: pack(v) if k in PACKED_WEIGHTS else v for k, v in d.items()}
+FORMAT_VERSION = 2  # of the compressed panels (part of the cache key of ``load_model``'s packed weights)
 
-    out = {k: layer(v) if (k == "layers" or k.startswith("blocks_")) else v for k, v in params.items()}
+
+def pack_params(params: dict[str, Any], tie_embeddings: bool, compress: bool = True,
+                hints: dict[str, Any] | None = None, cache: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Model params for a ``cpu_matmul`` config: every projection packed, plus ``head_panels`` (the LM
+    head packed; ``embed`` and ``lm_head`` stay for embedding lookups and drafters). With ``compress``,
+    a weight whose every value is exactly a block code times a scale plus an offset is stored compressed
+    (``compress_weight``; ``hints``: the GGUF's own block scales, ``weights.gguf_block_scales``, keyed
+    ``blocks_3/wq`` / ``head``); any other stays float32. ``cache`` (same keys): compressed panels of an
+    earlier call, used as they are (the caller keys it by model and ``FORMAT_VERSION``); the ones
+    computed here are added to it, and a weight that stays float32 is recorded as an empty array."""
+    hints = hints or {}
+
+    def one(key: str, w: Any) -> Any:
+        packed = None
+        if compress and cache is not None and key in cache:
+            packed = cache[key] if cache[key].size else None
+        elif compress:
+            packed = compress_weight(w, hints.get(key))
+            if cache is not None:
+                cache[key] = np.zeros(0, np.uint8) if packed is None else np.asarray(packed)
+        return pack(w) if packed is None else jnp.asarray(packed)
+
+    def layer(name: str, d: dict[str, Any]) -> dict[str, Any]:
+        return {k: one(f"{name}/{k}", v) if k in PACKED_WEIGHTS else v for k, v in d.items()}
+
+    out = {k: layer(k, v) if (k == "layers" or k.startswith("blocks_")) else v for k, v in params.items()}
     head = jnp.transpose(params["embed"]) if tie_embeddings else params["lm_head"]
-    out["head_panels"] = pack(head)
+    out["head_panels"] = one("head", head)
     return out
+
+
+# ------------------------------------------------------------------------------------------ compressed panels
+
+
+def _search_scales(w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Without the file's own scales: per block of 32 k and column, a float16 scale and an offset that
+    reproduce ``w`` [K, N] with 4-bit codes (offset = block minimum, Q4_1) or int8 codes (offset 0,
+    Q8_0); the scale is searched among the float16 values next to the range over the code span."""
+    k, n = w.shape
+    v = w.reshape(k // 32, 32, n)
+    for bits in (4, 8):
+        if bits == 4:
+            offset, lo, hi = v.min(axis=1), 0, 15
+            span = v.max(axis=1).astype(np.float64) - offset
+        else:
+            offset, lo, hi = np.zeros((k // 32, n), np.float32), -128, 127
+            span = np.abs(v).max(axis=1).astype(np.float64) * (hi - lo) / hi
+        with np.errstate(over="ignore"):
+            first = (span / (hi - lo)).astype(np.float16)
+        if not np.isfinite(first).all():
+            continue
+        scale = np.zeros(offset.shape, np.float32)
+        found = np.zeros(offset.shape, bool)
+        for toward in (None, np.inf, -np.inf):  # the nearest float16, then its neighbours
+            d = (first if toward is None else np.nextafter(first, np.float16(toward))).astype(np.float32)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q = np.clip(np.nan_to_num(np.rint((v - offset[:, None]) / d[:, None])), lo, hi)
+            ok = ((q * d[:, None]).astype(np.float32) + offset[:, None] == v).all(axis=1) & ~found
+            scale = np.where(ok, d, scale)
+            found |= ok
+            if found.all():
+                return scale, offset
+    return None
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _codes(w, scale, offset, rows: int):
+    """Codes for ``w`` [K, n] under per-block scale / offset [K / rows, n]; whether they reproduce it
+    exactly (with an offset: codes of at most 4 bits and a scale whose low 4 significand bits are zero,
+    so the product is exact and a fused decode agrees); the code range; whether every offset is 0."""
+    s_full, o_full = jnp.repeat(scale, rows, axis=0), jnp.repeat(offset, rows, axis=0)
+    q = jnp.where(s_full == 0, 0.0, jnp.rint((w - o_full) / jnp.where(s_full == 0, 1.0, s_full)))
+    q = jnp.clip(q, -128, 127)
+    exact = (o_full == 0) | (((jax.lax.bitcast_convert_type(s_full, jnp.int32) & 15) == 0) & (q >= 0) & (q <= 15))
+    ok = jnp.all((q * s_full + o_full == w) & exact)
+    by32 = s_full.reshape(-1, 32, w.shape[1])
+    off32 = o_full.reshape(-1, 32, w.shape[1])
+    uniform32 = jnp.all(by32 == by32[:, :1]) & jnp.all(off32 == off32[:, :1])  # one scale per 32 rows
+    return q.astype(jnp.int8), ok, jnp.min(q), jnp.max(q), jnp.all(offset == 0), uniform32
+
+
+ENCODE_COLUMNS = 4096  # columns per step of ``_encode`` (bounds its memory on large heads)
+
+
+def _encode(w: np.ndarray, scale: np.ndarray, offset: np.ndarray, rows: int) -> np.ndarray | None:
+    """Compressed panels of ``w`` [K, N] from per-block scale / offset [K / rows, N], or None when
+    the codes do not reproduce every value (or fit neither format)."""
+    k, n = w.shape
+    if k % 32 or n % PANEL or k % rows or scale.shape != (k // rows, n):
+        return None
+    parts = []
+    lo, hi, no_offset, uniform32 = 0, 0, True, True
+    for c0 in range(0, n, ENCODE_COLUMNS):
+        cols = slice(c0, min(n, c0 + ENCODE_COLUMNS))
+        q, ok, q_lo, q_hi, zero, uni = _codes(w[:, cols], scale[:, cols], offset[:, cols], rows)
+        if not bool(ok):
+            return None
+        parts.append(np.asarray(q))
+        lo, hi = min(lo, int(q_lo)), max(hi, int(q_hi))
+        no_offset, uniform32 = no_offset and bool(zero), uniform32 and bool(uni)
+    q = np.concatenate(parts, axis=1)
+    p = n // PANEL
+    if lo >= 0 and hi <= 15 and uniform32:
+        kb = k // 32
+        first = np.arange(0, k // rows, 32 // rows) if rows < 32 else np.arange(k // rows)
+        head = np.stack([scale[first], offset[first]])  # [2, KB, N]
+        c = q.astype(np.uint8).reshape(kb, 32, p, PANEL).transpose(2, 0, 1, 3)
+        c = c[..., :16] | (c[..., 16:] << 4)  # column j low nibble, j + 16 high
+    elif no_offset:
+        kb = k // 16
+        head = np.repeat(scale, rows // 16, axis=0)[None] if rows >= 16 else None  # [1, KB, N]
+        if head is None:
+            return None
+        c = q.reshape(kb, 16, p, PANEL).transpose(2, 0, 1, 3).view(np.uint8)
+    else:
+        return None
+    head = head.reshape(len(head), kb, p, PANEL).transpose(2, 1, 0, 3)  # [P, KB, 1|2, 32]
+    head = np.ascontiguousarray(head.astype(np.float32)).view(np.uint8).reshape(p, kb, -1)
+    return np.concatenate([head, np.ascontiguousarray(c).reshape(p, kb, -1)], axis=-1)
+
+
+def compress_weight(w: Float[Array, "... K N"], hint: Any = None) -> Any:
+    """A [..., K, N] weight as compressed panels [..., N/32, K/L, 768 | 640] (uint8: 4-bit codes in
+    blocks of L = 32 k, or int8 codes in blocks of 16) when every value is exactly reproduced, else
+    None (then it stays float32). ``hint``: the file's (scale, offset, block) per [K / block, N] block
+    (``weights.gguf_block_scales``); without it, Q4_1 / Q8_0-style float16 scales are searched."""
+    a = np.asarray(w)
+    *lead, k, n = a.shape
+    if a.dtype != np.float32 or k % 32 or n % PANEL:
+        return None
+    parts = []
+    for i, m in enumerate(a.reshape(-1, k, n)):
+        if hint is not None:
+            scale, offset, rows = hint
+            scale, offset = np.asarray(scale).reshape(-1, k // rows, n)[i], np.asarray(offset).reshape(-1, k // rows, n)[i]
+        else:
+            found = _search_scales(m)
+            if found is None:
+                return None
+            (scale, offset), rows = found, 32
+        part = _encode(m, scale, offset, rows)
+        if part is None or (parts and part.shape != parts[0].shape):
+            return None
+        parts.append(part)
+    return jnp.asarray(np.stack(parts).reshape(*lead, *parts[0].shape))
+
+
+def compressed_bits(wq: Any) -> int:
+    return 4 if wq.shape[-1] == BLOCK_BYTES[4] else 8
+
+
+def decompress(wq: Any) -> Float[Array, "... P K 32"]:
+    """Compressed panels back to float32 panels (the jnp reference; bitwise the packed weight)."""
+    *lead, p, kb, size = wq.shape
+    bits = compressed_bits(wq)
+    header = HEADER[bits]
+    head = jax.lax.bitcast_convert_type(wq[..., :header].reshape(*lead, p, kb, header // 128, PANEL, 4), jnp.float32)
+    codes = wq[..., header:].reshape(*lead, p, kb, BLOCK_ROWS[bits], -1)
+    if bits == 4:
+        q = jnp.concatenate([codes & 15, codes >> 4], axis=-1)
+        w = q.astype(jnp.float32) * head[..., None, 0, :] + head[..., None, 1, :]
+    else:
+        w = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32) * head[..., None, 0, :]
+    return w.reshape(*lead, p, kb * BLOCK_ROWS[bits], PANEL)
+
+
+def is_compressed(wp: Any) -> bool:
+    return jnp.dtype(wp.dtype) == jnp.uint8
 
 
 # ------------------------------------------------------------------------------------------ the product
 
 
-def panel_matmul_reference(x: Float[Array, "... K"], wp: Float[Array, "P K 32"]) -> Float[Array, "... N"]:
+def panel_matmul_reference(x: Float[Array, "... K"], wp: Any) -> Float[Array, "... N"]:
     """``x @ unpack(wp)`` in jnp (the reference the kernel is tested against)."""
+    if is_compressed(wp):
+        wp = decompress(wp)
     y = jnp.einsum("...k,pkj->...pj", x, wp, preferred_element_type=jnp.float32)
     return y.reshape(*y.shape[:-2], -1)
 
 
-def panel_matmul(x: Float[Array, "... K"], wp: Float[Array, "P K 32"]) -> Float[Array, "... N"]:
-    """``x @ unpack(wp)`` through the kernel (float32; call ``load`` first)."""
+def panel_matmul(x: Float[Array, "... K"], wp: Any) -> Float[Array, "... N"]:
+    """``x @ unpack(wp)`` through the kernel, float32 or compressed panels (call ``load`` first)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:
         rows *= s
     n = wp.shape[0] * PANEL
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32), vmap_method="sequential")
-    y = call(x.reshape(rows, k).astype(jnp.float32), wp.astype(jnp.float32))
+    out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    if is_compressed(wp):
+        y = jax.ffi.ffi_call(COMPRESSED_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
+    else:
+        y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32),
+                                                                   wp.astype(jnp.float32))
     return y.reshape(*lead, n)

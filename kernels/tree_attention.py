@@ -94,20 +94,39 @@ def tree_attention_reference(q, cache_k, cache_v, cache_len, new_k, new_v, tree_
     length, not the cache bucket. ``cache_k`` None means no cache (a prompt's own causal pass).
     """
     del interpret, block_m, variant
+    qg, (m, l, acc) = new_token_softmax(q, new_k, new_v, tree_mask)
+    if cache_k is not None and cache_k.shape[2] > 0:
+        m, l, acc = _reference_cache_part(qg, cache_k, cache_v, cache_len.astype(jnp.int32), m, l, acc, block_s)
+    return finish_softmax(q, l, acc)
+
+
+def new_token_softmax(q, new_k, new_v, tree_mask):
+    """The queries regrouped per kv head and pre-scaled ([B, K, G, T, D]) and the online-softmax state
+    (max, sum, weighted values) of the new tokens' part, where every softmax starts (each query sees at
+    least itself, so the max is finite)."""
     b, t, h, d = q.shape
     kh = new_k.shape[2]
-    g = h // kh
-    qg = (q * (d ** -0.5)).reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    qg = (q * (d ** -0.5)).reshape(b, t, kh, h // kh, d).transpose(0, 2, 3, 1, 4)
     s_new = jnp.einsum("bkgtd,bukd->bkgtu", qg, new_k, preferred_element_type=jnp.float32)
     s_new = jnp.where(tree_mask[:, None, None], s_new, NEG_INF)
     m = jnp.max(s_new, axis=-1, keepdims=True)
     p_new = jnp.exp(s_new - m)
     l = jnp.sum(p_new, axis=-1, keepdims=True)
     acc = jnp.einsum("bkgtu,bukd->bkgtd", p_new.astype(new_v.dtype), new_v, preferred_element_type=jnp.float32)
-    if cache_k is not None and cache_k.shape[2] > 0:
-        m, l, acc = _reference_cache_part(qg, cache_k, cache_v, cache_len.astype(jnp.int32), m, l, acc, block_s)
-    out = acc / l
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    return qg, (m, l, acc)
+
+
+def merge_softmax(a, b):
+    """Two online-softmax states (max, sum, weighted values) over disjoint keys as one."""
+    m = jnp.maximum(a[0], b[0])
+    wa, wb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
+    return m, wa * a[1] + wb * b[1], wa * a[2] + wb * b[2]
+
+
+def finish_softmax(q, l, acc):
+    """The attention output [B, T, H, D] (dtype of q) from the final state of ``new_token_softmax``'s layout."""
+    b, t, h, d = q.shape
+    return (acc / l).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 def _reference_block(qg, k, v, start, lens, m, l, acc):

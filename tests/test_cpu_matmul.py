@@ -65,6 +65,94 @@ def test_each_row_is_bitwise_the_same_in_any_batch(kernel):
     assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x[3:11], wp)), whole[3:11])
 
 
+def block_quantized(rng, k: int, n: int, bits: int) -> np.ndarray:
+    """A [k, n] float32 weight as a Q4_1 (bits 4) or Q8_0 (bits 8) GGUF dequantizes to: per block of 32
+    k and column, float16 scale d (and offset m), codes q; w = d * q (+ m) in float32."""
+    shape = (k // 32, 1, n)
+    d = rng.uniform(1e-3, 5e-2, shape).astype(np.float16).astype(np.float32)
+    if bits == 4:
+        m = -rng.uniform(0, 0.3, shape).astype(np.float16).astype(np.float32)
+        q = rng.integers(0, 16, (k // 32, 32, n)).astype(np.float32)
+        q[:, 3, :], q[:, 17, :] = 0, 15  # a quantizer's block minimum and maximum
+        return ((d * q) + m).reshape(k, n).astype(np.float32)
+    q = rng.integers(-127, 128, (k // 32, 32, n)).astype(np.float32)
+    q[:, 5, :] = 127 * np.sign(rng.standard_normal((k // 32, n)))  # the block's largest magnitude
+    return (d * q).reshape(k, n).astype(np.float32)
+
+
+@settings(max_examples=8, deadline=None)
+@given(bits=st.sampled_from([4, 8]), kb=st.integers(1, 4), panels=st.integers(1, 5), seed=st.integers(0, 99))
+def test_compressed_panels_hold_exactly_the_weight(bits, kb, panels, seed):
+    w = block_quantized(np.random.default_rng(seed), 32 * kb, 32 * panels, bits)
+    wq = cpu_matmul.compress_weight(jnp.asarray(w))
+    assert wq is not None and wq.dtype == jnp.uint8
+    assert wq.shape == (panels, 32 * kb // cpu_matmul.BLOCK_ROWS[bits], cpu_matmul.BLOCK_BYTES[bits])
+    assert np.array_equal(np.asarray(cpu_matmul.unpack(cpu_matmul.decompress(wq))), w)
+    stacked = cpu_matmul.compress_weight(jnp.asarray(np.stack([w, w[::-1]])))  # stacked layers
+    assert np.array_equal(np.asarray(cpu_matmul.unpack(cpu_matmul.decompress(stacked)))[1], w[::-1])
+
+
+def k_quantized(rng, k: int, n: int, kind: str) -> tuple[np.ndarray, tuple]:
+    """A weight as a Q4_K (``kind`` "q4k": 32-row sub-blocks, scale d * sc and offset -dmin * m from
+    6-bit integers) or Q6_K ("q6k": 16-row sub-blocks, scale d * int8, 6-bit signed codes) GGUF
+    dequantizes to, and the (scale, offset, rows) hint ``weights.gguf_block_scales`` would give."""
+    rows = 32 if kind == "q4k" else 16
+    shape = (k // rows, n)
+    d = rng.uniform(1e-4, 2e-3, (1, n)).astype(np.float16).astype(np.float32)
+    if kind == "q4k":
+        scale = d * rng.integers(1, 64, shape).astype(np.float32)
+        offset = -(d * rng.integers(0, 64, shape).astype(np.float32))
+        q = rng.integers(0, 16, (k, n)).astype(np.float32)
+    else:
+        scale = d * rng.integers(-128, 128, shape).astype(np.float32)
+        offset = np.zeros(shape, np.float32)
+        q = rng.integers(-32, 32, (k, n)).astype(np.float32)
+    w = q * np.repeat(scale, rows, axis=0) + np.repeat(offset, rows, axis=0)
+    return w.astype(np.float32), (scale, offset, rows)
+
+
+@pytest.mark.parametrize("kind", ["q4k", "q6k"])
+def test_k_quant_weights_compress_exactly_with_the_files_scales(kernel, kind):
+    rng = np.random.default_rng(3)
+    w, hint = k_quantized(rng, 256, 96, kind)
+    wq = cpu_matmul.compress_weight(jnp.asarray(w), hint)
+    assert wq is not None and cpu_matmul.compressed_bits(wq) == (4 if kind == "q4k" else 8)
+    assert np.array_equal(np.asarray(cpu_matmul.unpack(cpu_matmul.decompress(wq))), w)
+    x = jnp.asarray(rng.standard_normal((9, 256), np.float32))
+    assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x, wq)),
+                          np.asarray(cpu_matmul.panel_matmul(x, cpu_matmul.pack(jnp.asarray(w)))))
+    wrong = (hint[0] * 2, hint[1], hint[2])  # a hint that does not describe the weight: stays float32
+    assert cpu_matmul.compress_weight(jnp.asarray(w), wrong) is None
+
+
+def test_weights_that_are_not_block_codes_stay_float32():
+    rng = np.random.default_rng(0)
+    assert cpu_matmul.compress_weight(jnp.asarray(rng.standard_normal((64, 64), np.float32))) is None
+    w = block_quantized(rng, 64, 64, 4)
+    w[40, 7] = np.nextafter(w[40, 7], np.float32(1))  # one value off the grid
+    assert cpu_matmul.compress_weight(jnp.asarray(w)) is None or np.array_equal(
+        np.asarray(cpu_matmul.unpack(cpu_matmul.decompress(cpu_matmul.compress_weight(jnp.asarray(w))))), w)
+    assert cpu_matmul.compress_weight(jnp.asarray(w[:48])) is None  # k not whole blocks
+    params = cpu_matmul.pack_params(init_params(PANEL_LLAMA, seed=1), True)  # random weights: float32 panels
+    assert params["head_panels"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compressed_products_are_bitwise_the_float32_ones(kernel, bits):
+    """Decoding is exact and the chain over k is the same, so compressed and float32 panels give the
+    same bits, for every row count (one-token step, tree pass) and every row of a batch."""
+    rng = np.random.default_rng(bits)
+    w = block_quantized(rng, 576, 320, bits)
+    wq, wp = cpu_matmul.compress_weight(jnp.asarray(w)), cpu_matmul.pack(jnp.asarray(w))
+    x = jnp.asarray(rng.standard_normal((19, 576), np.float32))
+    whole = np.asarray(cpu_matmul.panel_matmul(x, wq))
+    assert np.array_equal(whole, np.asarray(cpu_matmul.panel_matmul(x, wp)))
+    for lo, hi in ((0, 1), (5, 6), (2, 10), (8, 19)):
+        assert np.array_equal(np.asarray(jax.jit(cpu_matmul.panel_matmul)(x[lo:hi], wq)), whole[lo:hi])
+    np.testing.assert_allclose(np.asarray(cpu_matmul.panel_matmul_reference(x, wq)), np.asarray(x) @ w,
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_model_equals_the_unpacked_one(kernel, tied):
     cfg = PANEL_LLAMA.replace(tie_embeddings=tied)
@@ -95,7 +183,7 @@ def test_speculative_decoding_through_the_kernel_equals_ar(kernel):
 
 
 def test_load_setting_is_checked_and_explained(kernel):
-    with pytest.raises(HsdjaxError, match="auto, on or off"):
+    with pytest.raises(HsdjaxError, match="auto, on, off, float32"):
         use_cpu_matmul("fast", PANEL_LLAMA, None)
     assert use_cpu_matmul("off", PANEL_LLAMA, None) is False
     assert use_cpu_matmul("auto", PANEL_LLAMA, None) is True
@@ -112,6 +200,11 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
     from hsdjax.api import Generator, load_model
 
     assert smollm.cfg.cpu_matmul
+    # SmolLM2's GGUF is Q4_1 (projections) and Q8_0 (tied head): every panel is stored compressed
+    layer = next(v for k, v in smollm.params.items() if k == "layers" or k.startswith("blocks_"))
+    assert {k: str(v.dtype) for k, v in layer.items() if k in cpu_matmul.PACKED_WEIGHTS} == {
+        k: "uint8" for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    assert cpu_matmul.compressed_bits(smollm.params["head_panels"]) == 8
     prompt = "List three uses of a paperclip, then explain the second one."
     ar = Generator(smollm, "ar").generate(prompt, max_new_tokens=40)[0]
     hsd = Generator(smollm, "hsd").generate(prompt, max_new_tokens=40)[0]
@@ -119,3 +212,52 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
     xla = load_model("smollm2-135m", cpu_matmul="off")
     assert not xla.cfg.cpu_matmul
     assert Generator(xla, "ar").generate(prompt, max_new_tokens=40)[0].tokens == ar.tokens
+    float32 = load_model("smollm2-135m", cpu_matmul="float32")
+    assert float32.params["head_panels"].dtype == jnp.float32
+    assert Generator(float32, "ar").generate(prompt, max_new_tokens=40)[0].tokens == ar.tokens
+
+
+# ------------------------------------------------------------------------------------------ cache attention
+
+
+@settings(max_examples=10, deadline=None)
+@given(b=st.integers(1, 3), kh=st.integers(1, 3), r=st.integers(1, 12), d=st.sampled_from([16, 24, 64]),
+       s=st.sampled_from([8, 256, 700]), seed=st.integers(0, 99))
+def test_cache_attention_equals_its_reference(kernel, b, kh, r, d, s, seed):
+    """The kernel's online-softmax state of the cache part, for any filled length (0, partial chunks,
+    more than the bucket) equals one masked pass over the whole bucket."""
+    from hsdjax.kernels.cpu_attention import cache_attention, cache_attention_reference
+
+    rng = np.random.default_rng(seed)
+    qg = jnp.asarray(rng.standard_normal((b, kh, r, d), np.float32))
+    ck, cv = (jnp.asarray(rng.standard_normal((b, kh, s, d), np.float32)) for _ in range(2))
+    lens = jnp.asarray(rng.choice([0, 1, s // 3, s - 1, s, s + 5], b), jnp.int32)
+    got = jax.jit(cache_attention)(qg, ck, cv, lens)
+    want = cache_attention_reference(qg, ck, cv, jnp.minimum(lens, s))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(got[1])[np.asarray(lens) == 0] == 0)  # no valid slot: empty sums
+
+
+def test_tree_attention_through_the_kernel_equals_the_reference(kernel):
+    from hsdjax.kernels.cpu_attention import tree_attention_cpu
+    from hsdjax.kernels.tree_attention import tree_attention_reference
+
+    rng = np.random.default_rng(7)
+    b, t, kh, g, d, s = 2, 6, 3, 3, 64, 1024
+    q = jnp.asarray(rng.standard_normal((b, t, kh * g, d), np.float32))
+    ck, cv = (jnp.asarray(rng.standard_normal((b, kh, s, d), np.float32)) for _ in range(2))
+    nk, nv = (jnp.asarray(rng.standard_normal((b, t, kh, d), np.float32)) for _ in range(2))
+    parent = np.array([-1, 0, 0, 1, 1, 2])  # a tree: each node sees itself and its ancestors
+    mask = np.eye(t, dtype=bool)
+    for i in range(t):
+        j = parent[i]
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+    mask = jnp.asarray(np.stack([mask, mask]))
+    for lens in ([0, 300], [1024, 257]):
+        lens = jnp.asarray(lens, jnp.int32)
+        got = jax.jit(tree_attention_cpu)(q, ck, cv, lens, nk, nv, mask)
+        want = tree_attention_reference(q, ck, cv, lens, nk, nv, mask)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

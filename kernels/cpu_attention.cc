@@ -1,0 +1,230 @@
+// hsdjax's CPU attention over the KV cache for decoding (an XLA FFI custom call; optional, built with the
+// matmul kernel by `hsdjax cpu-matmul build`).
+//
+//   q [B, K, R, D] float32, already scaled (R = G query heads x T new tokens of one kv head)
+//   cache_k, cache_v [B, K, S, D] float32; lens [B] int32 (slots >= lens[b] are not attended)
+//   -> m [B, K, R], l [B, K, R], acc [B, K, R, D]: the online-softmax state of the cache part (running
+//      max, sum of exp(score - m), sum of exp(score - m) * v), which the caller merges with the new
+//      tokens' part. A row with no valid slot gets m = -1e30, l = 0, acc = 0.
+//
+// Work only follows the filled length: each (b, kv head) walks its valid slots in chunks of 256, the
+// chunks shared between the calling thread and XLA's intra-op pool (flash-decoding: each chunk keeps its
+// own max, sum and accumulator, merged at the end in chunk order, so the result does not depend on
+// which thread ran what). XLA's while loop over cache blocks spent ~100 us per block on this CPU.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16x32 __attribute__((vector_size(64)));
+constexpr int64_t kChunk = 256;
+constexpr float kNegInf = -1e30f;
+
+// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the
+// exponent bits (relative error ~2e-7; inputs below -87 give 0).
+inline v16 Exp(v16 x) {
+  const auto underflow = x < -87.0f;
+  x = underflow ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  v16 t = x * 1.44269504088896341f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(t + (t < 0.0f ? v16{} - 0.5f : v16{} + 0.5f), i16x32), v16);
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i16x32 bits = (__builtin_convertvector(n, i16x32) + 127) << 23;
+  v16 scale;
+  __builtin_memcpy(&scale, &bits, 64);
+  return underflow ? v16{} : p * scale;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// Sum of 16 lanes as a tree of halves (a chain of 16 scalar adds was the kernel's bottleneck).
+inline float HSum(v16 s) {
+  v8 a = __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float Dot(const float* a, const float* b, int64_t d) {
+  v16 s{};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    v16 x, y;
+    __builtin_memcpy(&x, a + i, 64);
+    __builtin_memcpy(&y, b + i, 64);
+    s += x * y;
+  }
+  float out = HSum(s);
+  for (; i < d; ++i) out += a[i] * b[i];
+  return out;
+}
+
+struct Item {
+  int64_t head;   // b * K + k
+  int64_t start;  // first slot of the chunk
+  int64_t len;    // slots in the chunk
+};
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  int64_t r, s, d;
+  std::vector<Item> items;
+  float* part;  // per item: R maxes, R sums, R x D accumulators
+  int64_t part_size;
+};
+
+// One chunk of one kv head: scores, their max, exp, sums and the weighted sum of values.
+void RunItem(const Problem& pb, int64_t i) {
+  const Item& it = pb.items[i];
+  const int64_t r_n = pb.r, d = pb.d, n = it.len;
+  const float* q = pb.q + it.head * r_n * d;
+  const float* k = pb.k + (it.head * pb.s + it.start) * d;
+  const float* v = pb.v + (it.head * pb.s + it.start) * d;
+  float* m_out = pb.part + i * pb.part_size;
+  float* l_out = m_out + r_n;
+  float* acc = l_out + r_n;
+  const int64_t n_pad = (n + 15) / 16 * 16;
+  std::unique_ptr<float[]> scores(new float[r_n * n_pad]);  // [R, n_pad]
+  for (int64_t j = 0; j < n; ++j) {  // keys outer: each key is read once for every row
+    const float* kj = k + j * d;
+    for (int64_t r = 0; r < r_n; ++r) scores[r * n_pad + j] = Dot(q + r * d, kj, d);
+  }
+  for (int64_t r = 0; r < r_n; ++r) {
+    float* p = scores.get() + r * n_pad;
+    float mx = kNegInf;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+    for (int64_t j = n; j < n_pad; ++j) p[j] = kNegInf;
+    v16 sum{};
+    for (int64_t j = 0; j < n; j += 16) {
+      v16 x;
+      __builtin_memcpy(&x, p + j, 64);
+      x = Exp(x - mx);
+      __builtin_memcpy(p + j, &x, 64);
+      sum += x;
+    }
+    m_out[r] = mx;
+    l_out[r] = HSum(sum);
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
+  }
+  for (int64_t j = 0; j < n; ++j) {  // values outer too
+    const float* vj = v + j * d;
+    for (int64_t r = 0; r < r_n; ++r) {
+      const float w = scores[r * n_pad + j];
+      float* a = acc + r * d;
+      int64_t e = 0;
+      for (; e + 16 <= d; e += 16) {
+        v16 x, y;
+        __builtin_memcpy(&x, vj + e, 64);
+        __builtin_memcpy(&y, a + e, 64);
+        y += w * x;
+        __builtin_memcpy(a + e, &y, 64);
+      }
+      for (; e < d; ++e) a[e] += w * vj[e];
+    }
+  }
+}
+
+struct Call {
+  Problem pb;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    const int64_t n = static_cast<int64_t>(pb.items.size());
+    for (int64_t i; (i = next.fetch_add(1)) < n;) {
+      RunItem(pb, i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
+                          ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
+                          ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
+  auto qd = q.dimensions();
+  auto kd = cache_k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] ||
+      lens.element_count() != qd[0]) {
+    return ffi::Error::InvalidArgument("hsdjax cache attention: expects q [B, K, R, D], cache [B, K, S, D], lens [B]");
+  }
+  const int64_t b_n = qd[0], kh = qd[1], r_n = qd[2], d = qd[3], s = kd[2];
+  auto call = std::make_shared<Call>();
+  Problem& pb = call->pb;
+  pb.q = q.typed_data();
+  pb.k = cache_k.typed_data();
+  pb.v = cache_v.typed_data();
+  pb.r = r_n;
+  pb.s = s;
+  pb.d = d;
+  std::vector<int64_t> first(b_n * kh + 1, 0);  // items of head h: [first[h], first[h + 1])
+  for (int64_t b = 0; b < b_n; ++b) {
+    const int64_t len = std::clamp<int64_t>(lens.typed_data()[b], 0, s);
+    for (int64_t k = 0; k < kh; ++k) {
+      for (int64_t start = 0; start < len; start += kChunk) {
+        pb.items.push_back(Item{b * kh + k, start, std::min(kChunk, len - start)});
+      }
+      first[b * kh + k + 1] = static_cast<int64_t>(pb.items.size());
+    }
+  }
+  pb.part_size = r_n * (2 + d);
+  std::vector<float> part(pb.items.size() * pb.part_size);
+  pb.part = part.data();
+  const int64_t n_items = static_cast<int64_t>(pb.items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([call] { call->Run(); });
+  call->Run();
+  while (call->done.load(std::memory_order_acquire) < n_items) __builtin_ia32_pause();
+
+  // merge each head's chunks in order
+  for (int64_t h = 0; h < b_n * kh; ++h) {
+    for (int64_t r = 0; r < r_n; ++r) {
+      float mx = kNegInf;
+      for (int64_t i = first[h]; i < first[h + 1]; ++i) mx = std::max(mx, part[i * pb.part_size + r]);
+      float sum = 0.0f;
+      float* a = acc->typed_data() + (h * r_n + r) * d;
+      std::fill(a, a + d, 0.0f);
+      for (int64_t i = first[h]; i < first[h + 1]; ++i) {
+        const float* pi = part.data() + i * pb.part_size;
+        const float alpha = std::exp(pi[r] - mx);
+        sum += alpha * pi[r_n + r];
+        const float* ai = pi + 2 * r_n + r * d;
+        for (int64_t e = 0; e < d; ++e) a[e] += alpha * ai[e];
+      }
+      m->typed_data()[h * r_n + r] = mx;
+      l->typed_data()[h * r_n + r] = sum;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttention, CacheAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
