@@ -9,7 +9,9 @@ Two measurements, then a small search (the automatic tree-size setting EAGLE-2 d
    for the same tree cut at depth d.
 
 Expected tokens per pass for (width, depth) is 1 + sum_{d <= depth} P(>= d); expected tokens/s divides
-it by the pass cost at N = 1 + width * depth (plus ``depth`` draft-model steps for ``sps``).
+it by the pass cost at N = 1 + width * depth (plus ``depth`` draft-model steps for ``sps``), for the
+share of passes that verify the whole tree: ``pld`` verifies the root alone when the lookup finds
+nothing (its tiers), so its expected pass cost mixes the two by the measured share.
 
 The feature drafters (``hsd``, ``eagle``) grow dynamic trees whose verified size is the ``budget``
 (fewer nodes when ``--min-prob`` drops unlikely ones), so a deep run cannot stand in for a smaller
@@ -80,8 +82,10 @@ def interpolate(costs: dict[int, float], n: int) -> float:
 
 
 def measure_acceptance(model: Any, method: str, prompts: Sequence[Any], width: int, max_depth: int,
-                       max_new_tokens: int, draft_model: str | None) -> list[float]:
-    """P(at least d drafts accepted per pass), d = 1..max_depth, over the prompts."""
+                       max_new_tokens: int, draft_model: str | None) -> tuple[list[float], float]:
+    """P(at least d drafts accepted per pass), d = 1..max_depth, over the prompts; and the share of
+    passes that verified the whole tree (``pld`` verifies the root alone when nothing matches: its
+    tiers; from the mean verified nodes; 1 for ``sps``)."""
     opts: dict[str, Any] = {"depth": max_depth}
     if method == "pld":
         opts["width"] = width
@@ -89,11 +93,17 @@ def measure_acceptance(model: Any, method: str, prompts: Sequence[Any], width: i
         opts["draft_model"] = draft_model
     gen = Generator(model, method, **opts)
     rounds: list[int] = []
+    nodes = 0.0
     for p in prompts:
-        rounds += gen.generate(p, max_new_tokens=max_new_tokens)[0].stats["accept_lengths"]
+        stats = gen.generate(p, max_new_tokens=max_new_tokens)[0].stats
+        rounds += stats["accept_lengths"]
+        nodes += (stats["mean_verified_nodes"] or 0) * stats["target_passes"]
     if not rounds:
         raise HsdjaxError("no decoding rounds to measure acceptance on")
-    return [sum(a >= d + 1 for a in rounds) / len(rounds) for d in range(1, max_depth + 1)]
+    accept = [sum(a >= d + 1 for a in rounds) / len(rounds) for d in range(1, max_depth + 1)]
+    full = 1 + (width if method == "pld" else 1) * max_depth
+    whole_tree = 1.0 if method != "pld" else min(max((nodes / len(rounds) - 1) / (full - 1), 0.0), 1.0)
+    return accept, whole_tree
 
 
 FEATURE_DEPTHS = (3, 4, 6)
@@ -180,13 +190,15 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
             widths = (1,)
         candidates = []
         for w in widths:
-            accept = measure_acceptance(model, method, prompts, w, max_depth, max_new_tokens, draft_model)
+            accept, whole = measure_acceptance(model, method, prompts, w, max_depth, max_new_tokens, draft_model)
             for depth in range(1, max_depth + 1):
                 tokens = 1 + sum(accept[:depth])
-                seconds = interpolate(costs, 1 + w * depth) + draft_step * depth
+                # tier-aware: a pass without a match (pld) verifies the root alone
+                seconds = (whole * interpolate(costs, 1 + w * depth) + (1 - whole) * costs[1]
+                           + draft_step * depth)
                 candidates.append({"width": w, "depth": depth, "nodes": 1 + w * depth, "tokens_per_pass": tokens,
                                    "pass_s": seconds, "tokens_per_s": tokens / seconds,
-                                   "accept_at_depth": accept[depth - 1]})
+                                   "accept_at_depth": accept[depth - 1], "whole_tree_share": whole})
     best = max(candidates, key=lambda c: c["tokens_per_s"])
     result = {"model": model.name, "method": method, "backend": jax.default_backend(),
               "pass_cost_s": costs, "draft_step_s": draft_step or None, "candidates": candidates,

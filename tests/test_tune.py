@@ -55,9 +55,13 @@ def test_tune_pld_expected_rate_follows_measured_acceptance(qfile, tuned_dir):
     accept = [c["accept_at_depth"] for c in r["candidates"]]
     assert all(0.0 <= a <= 1.0 for a in accept) and accept == sorted(accept, reverse=True)  # P(>= d) falls with d
     assert accept[0] > 0  # this prompt repeats its numbers: prompt lookup finds something
+    costs = r["pass_cost_s"]
     for c in r["candidates"]:
         assert c["tokens_per_pass"] == pytest.approx(1 + sum(accept[: c["depth"]]))
         assert c["nodes"] == 1 + c["depth"]
+        share = c["whole_tree_share"]  # passes with a match verify the tree, the others the root alone
+        assert 0.0 < share <= 1.0
+        assert c["pass_s"] == pytest.approx(share * tune_mod.interpolate(costs, c["nodes"]) + (1 - share) * costs[1])
     assert not (tuned_dir / "pld.json").exists()  # nothing written without --write
 
 

@@ -1,6 +1,7 @@
 """`pld`: prompt lookup (n-gram) drafting, training-free.
 
-The newest tokens of a row (its last 1..``max_ngram`` tokens, longest first) are looked up in the
+The newest tokens of a row (its last ``min_ngram``..``max_ngram`` tokens, longest first; at least 2 by
+default, since a one-token match was right too rarely to pay for its pass) are looked up in the
 row's earlier context; the tokens that followed each match are proposed as continuations. The
 ``width`` best matches (longer n-gram first, then most recent) become chains that are merged into one
 trie, so a round verifies several guesses at once. Everything is vectorised over the context; there
@@ -25,7 +26,7 @@ class PromptLookupDrafter(Drafter):
     width: int = 2  # candidate continuations per round
     depth: int = 6  # tokens per continuation
     max_ngram: int = 3
-    min_ngram: int = 1
+    min_ngram: int = 2
 
     def __post_init__(self):
         object.__setattr__(self, "num_nodes", 1 + self.width * self.depth)
