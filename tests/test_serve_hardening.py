@@ -338,7 +338,7 @@ def _stream(url: str, body: dict, events: list, first: threading.Event) -> None:
 def test_shutdown_drains_then_ends_streams_with_an_error_event(sched):
     """Last test: it closes the module's scheduler. A short stream finishes during the grace period;
     the long one ends at its end with an error event and ``data: [DONE]``, counted once."""
-    grace = 4.0
+    grace = 1.0  # the long stream (450 tokens) must outlast it: ~3 s at this CPU's ~150 tokens/s
     running = Running(create_app(sched, MODEL, api_key=KEY), sched, grace=grace)
     metrics_before = httpx.get(f"{running.url}/metrics", headers=AUTH).text
     story = [{"role": "user", "content": "Tell me a long story about a dragon."}]
