@@ -81,3 +81,17 @@ def test_generate_hsd_json_reports_drafter_work():
         assert key in h, key
     assert h["mean_accepted_length"] > 1.2  # the trained drafter is right often on a simple answer
     assert 0 < h["draft_utilisation"] <= 1
+
+
+def test_demo_prints_the_answer_then_each_method_identical_to_ar():
+    # what `make demo` runs, shortened: the ar answer, a speed line per method, and the equality checks
+    proc = run("demo", "--max-new-tokens", "32", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    speeds = [line for line in lines if line.startswith("[")]
+    assert [s.split(":")[0] for s in speeds] == ["[ar", "[pld", "[hsd"]
+    assert lines.index(speeds[0]) > 0  # the answer comes first
+    checks = [line for line in lines if " vs ar: " in line]
+    assert [c.split()[0] for c in checks] == ["pld", "hsd"]
+    assert all(c.endswith("greedy outputs identical: yes") for c in checks)
+    assert "compiled ar in" in proc.stderr and "compiled hsd in" in proc.stderr
