@@ -182,7 +182,12 @@ def test_shipped_drafters_load_for_the_default_model(smollm, method):
     drafter, dparams = make_drafter(method, smollm)
     assert drafter.name == method and drafter.cfg.method == method
     assert len(jax.tree_util.tree_leaves(dparams["net"])) >= 12  # every weight came back, nested as trained
-    assert dparams["head"].shape == (drafter.cfg.vocab, smollm.cfg.hidden_size)
+    v, e = drafter.cfg.vocab, smollm.cfg.hidden_size
+    if smollm.cfg.cpu_matmul:  # the drafter runs on the target's CPU kernel: its matrices as panels
+        assert dparams["head"].shape == (v // 32, e, 32)
+        assert dparams["net"]["layer"]["wq"].ndim == 3 and dparams["net"]["fuse_norm"].ndim == 2
+    else:
+        assert dparams["head"].shape == (v, e)
 
 
 def test_drafter_macs_count_what_xla_computes():
@@ -251,3 +256,29 @@ def test_benchmark_variants_parse_and_refuse_bad_ones():
     for bad in ("nolabel", "x=pld:-", "x=hsd,depth=two:-", "x=hsd,colour=3:-", "x=hsd:/no/such/file"):
         with pytest.raises(SystemExit):
             bench.parse_variant(bad)
+
+
+@pytest.mark.parametrize("method", ["hsd", "eagle"])
+def test_drafter_on_cpu_panels_equals_plain_matrices(method):
+    """``pack_for_cpu``: the network and head as float32 panels through the CPU kernel give the plain
+    matrices' logits (up to the order of additions) on every piece the drafters call."""
+    from hsdjax.drafters.feature import FeatureDrafterNet, init_net, pack_for_cpu
+    from hsdjax.kernels import cpu_matmul
+
+    if not cpu_matmul.load():
+        pytest.skip("the CPU matmul kernel is not built here")
+    fc = FeatureConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=128, fused=3, method=method)
+    net = init_net(fc, seed=1)
+    head = jax.random.normal(jax.random.PRNGKey(2), (fc.vocab, fc.hidden))
+    pnet, phead = pack_for_cpu(net, head)
+    assert phead.shape == (fc.vocab // 32, fc.hidden, 32) and pnet["layer"]["w_down"].ndim == 3
+    states = jax.random.normal(jax.random.PRNGKey(3), (2, 5, fc.fused, fc.hidden))
+    toks = jax.random.normal(jax.random.PRNGKey(4), (2, 5, fc.inject_tokens if method == "hsd" else 1, fc.hidden))
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    model = FeatureDrafterNet(fc)
+
+    def run(p, h):
+        out = model.apply({"params": p}, states, toks, pos)
+        return model.apply({"params": p}, out, h, method=FeatureDrafterNet.logits)
+
+    np.testing.assert_allclose(np.asarray(run(pnet, phead)), np.asarray(run(net, head)), rtol=2e-4, atol=2e-4)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from hsdjax.drafters.feature import FeatureConfig
+from hsdjax.drafters.feature import FeatureConfig, pack_for_cpu
 from hsdjax.errors import HsdjaxError
 from hsdjax.weights import flatten, unflatten
 
@@ -97,5 +97,7 @@ def bind(net: Any, vocab_ids: np.ndarray, params: dict[str, Any], cfg: Any) -> d
     """``dparams`` of a feature drafter: its weights plus the target's frozen embeddings and head."""
     frozen = frozen_from_params(params, cfg)
     ids = jnp.asarray(vocab_ids, jnp.int32)
-    return {"net": jax.tree_util.tree_map(jnp.asarray, net), "embed": frozen["embed"],
-            "head": jnp.take(frozen["head_full"], ids, axis=0), "vocab_ids": ids}
+    net, head = jax.tree_util.tree_map(jnp.asarray, net), jnp.take(frozen["head_full"], ids, axis=0)
+    if getattr(cfg, "cpu_matmul", False):  # the target runs on the CPU kernel: so does the drafter
+        net, head = pack_for_cpu(net, head)
+    return {"net": net, "embed": frozen["embed"], "head": head, "vocab_ids": ids}

@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.drafters.base import Drafter, layer_macs
 from hsdjax.drafters.pld import PromptLookupDrafter, lookup_continuations
+from hsdjax.kernels.cpu_matmul import PANEL, pack, panel_matmul
 from hsdjax.kernels.tree_attention import REFERENCE_BLOCK_S, attention_fn
 from hsdjax.model import apply_rope, rms_norm, rope_tables
 from hsdjax.tree import DraftTree, graft_chain
@@ -62,6 +63,36 @@ def _init(scale: float = 0.02):
     return nn.initializers.normal(stddev=scale)
 
 
+# The network's matrices ([K, N], used as ``x @ w``). With the target on the CPU matmul kernel they are
+# stored as float32 panels ``[N / 32, K, 32]`` (``pack_for_cpu``) and multiplied by the kernel: the
+# drafter's small-M products then run at the kernel's speed instead of XLA's (same values up to the
+# order of additions; the drafter's numbers never change the output, only how much of it is accepted).
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fuse", "fc", "g_in", "g_out", "g_scale", "g_shift")
+
+
+def matmul(x: Float[Array, "... K"], w: Any) -> Float[Array, "... N"]:
+    """``x @ w`` for a matrix ``[K, N]``, or through the CPU kernel for its panels ``[N / 32, K, 32]``."""
+    return panel_matmul(x, w) if w.ndim == 3 else x @ w
+
+
+def pack_for_cpu(net: dict[str, Any], head: Float[Array, "V E"]) -> tuple[dict[str, Any], Any]:
+    """The network's matrices and the draft head as float32 panels for the CPU kernel (where their
+    widths are whole panels; the rest stay as they are). The head becomes the panels of ``head.T``."""
+    def walk(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: walk(v) if isinstance(v, dict) else
+                pack(jnp.asarray(v, jnp.float32)) if k in MATRICES and v.ndim == 2 and v.shape[1] % PANEL == 0 else v
+                for k, v in d.items()}
+    packed_head = pack(jnp.asarray(head, jnp.float32).T) if head.shape[0] % PANEL == 0 else head
+    return walk(net), packed_head
+
+
+def _matrix(mod: nn.Module, name: str, init: Any, shape: tuple[int, int]) -> Any:
+    """A matrix parameter; packed panels (``pack_for_cpu``) are taken as they are (no shape check)."""
+    if not mod.is_initializing() and mod.has_variable("params", name):
+        return mod.get_variable("params", name)
+    return mod.param(name, init, shape)
+
+
 class DraftLayer(nn.Module):
     """One pre-norm decoder layer; attention is computed outside (``project`` then ``finish``) so the
     same weights serve training rollouts, cached inference and tree attention."""
@@ -73,30 +104,30 @@ class DraftLayer(nn.Module):
         e, h, k, d = c.hidden, c.heads, c.kv_heads, c.head_dim
         self.attn_norm = self.param("attn_norm", nn.initializers.ones, (e,))
         self.mlp_norm = self.param("mlp_norm", nn.initializers.ones, (e,))
-        self.wq = self.param("wq", _init(), (e, h * d))
-        self.wk = self.param("wk", _init(), (e, k * d))
-        self.wv = self.param("wv", _init(), (e, k * d))
-        self.wo = self.param("wo", _init(0.02 / math.sqrt(2)), (h * d, e))
-        self.w_gate = self.param("w_gate", _init(), (e, c.mlp))
-        self.w_up = self.param("w_up", _init(), (e, c.mlp))
-        self.w_down = self.param("w_down", _init(0.02 / math.sqrt(2)), (c.mlp, e))
+        self.wq = _matrix(self, "wq", _init(), (e, h * d))
+        self.wk = _matrix(self, "wk", _init(), (e, k * d))
+        self.wv = _matrix(self, "wv", _init(), (e, k * d))
+        self.wo = _matrix(self, "wo", _init(0.02 / math.sqrt(2)), (h * d, e))
+        self.w_gate = _matrix(self, "w_gate", _init(), (e, c.mlp))
+        self.w_up = _matrix(self, "w_up", _init(), (e, c.mlp))
+        self.w_down = _matrix(self, "w_down", _init(0.02 / math.sqrt(2)), (c.mlp, e))
 
     def project(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"]):
         """Queries [B, T, H, D], keys and values [B, T, K, D] (RoPE applied)."""
         c = self.cfg
         b, t, _ = x.shape
         y = rms_norm(x, self.attn_norm, c.eps)
-        q = (y @ self.wq).reshape(b, t, c.heads, c.head_dim)
-        k = (y @ self.wk).reshape(b, t, c.kv_heads, c.head_dim)
-        v = (y @ self.wv).reshape(b, t, c.kv_heads, c.head_dim)
+        q = matmul(y, self.wq).reshape(b, t, c.heads, c.head_dim)
+        k = matmul(y, self.wk).reshape(b, t, c.kv_heads, c.head_dim)
+        v = matmul(y, self.wv).reshape(b, t, c.kv_heads, c.head_dim)
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, x: Float[Array, "B T E"], attn: Float[Array, "B T H D"]) -> Float[Array, "B T E"]:
         b, t = x.shape[:2]
-        x = x + attn.reshape(b, t, -1) @ self.wo
+        x = x + matmul(attn.reshape(b, t, -1), self.wo)
         y = rms_norm(x, self.mlp_norm, self.cfg.eps)
-        return x + (jax.nn.silu(y @ self.w_gate) * (y @ self.w_up)) @ self.w_down
+        return x + matmul(jax.nn.silu(matmul(y, self.w_gate)) * matmul(y, self.w_up), self.w_down)
 
     def __call__(self, x, positions):  # for init only
         q, k, v = self.project(x, positions)
@@ -112,20 +143,20 @@ class FeatureDrafterNet(nn.Module):
         c = self.cfg
         e = c.hidden
         self.fuse_norm = self.param("fuse_norm", nn.initializers.ones, (c.fused, e))
-        self.fuse = self.param("fuse", _init(), (c.fused * e, e))
+        self.fuse = _matrix(self, "fuse", _init(), (c.fused * e, e))
         self.emb_norm = self.param("emb_norm", nn.initializers.ones, (e,))
         self.out_norm = self.param("out_norm", nn.initializers.ones, (e,))
         self.layer = DraftLayer(c)
         if c.method == "eagle":
-            self.fc = self.param("fc", _init(), (2 * e, e))
+            self.fc = _matrix(self, "fc", _init(), (2 * e, e))
         elif c.injection == "mlp":
             width = (1 + c.inject_tokens) * e
-            self.g_in = self.param("g_in", _init(), (width, e))
-            self.g_out = self.param("g_out", _init(0.01), (e, e))
+            self.g_in = _matrix(self, "g_in", _init(), (width, e))
+            self.g_out = _matrix(self, "g_out", _init(0.01), (e, e))
         elif c.injection == "film":
             width = c.inject_tokens * e
-            self.g_scale = self.param("g_scale", _init(0.01), (width, e))
-            self.g_shift = self.param("g_shift", _init(0.01), (width, e))
+            self.g_scale = _matrix(self, "g_scale", _init(0.01), (width, e))
+            self.g_shift = _matrix(self, "g_shift", _init(0.01), (width, e))
         else:
             raise ValueError(f"unknown injection {c.injection!r}")
 
@@ -133,13 +164,13 @@ class FeatureDrafterNet(nn.Module):
     def fuse_states(self, states: Float[Array, "... F E"]) -> Float[Array, "... E"]:
         """Fused target states (each layer RMS-normed, concatenated, projected)."""
         y = rms_norm(states, self.fuse_norm, self.cfg.eps)
-        return y.reshape(*y.shape[:-2], -1) @ self.fuse
+        return matmul(y.reshape(*y.shape[:-2], -1), self.fuse)
 
     def embed(self, embed_table: Float[Array, "V E"], tokens: Int[Array, "..."]) -> Float[Array, "... E"]:
         return rms_norm(jnp.take(embed_table, tokens, axis=0), self.emb_norm, self.cfg.eps)
 
     def eagle_input(self, feature: Float[Array, "... E"], token_emb: Float[Array, "... E"]) -> Float[Array, "... E"]:
-        return jnp.concatenate([feature, token_emb], axis=-1) @ self.fc
+        return matmul(jnp.concatenate([feature, token_emb], axis=-1), self.fc)
 
     # -- the layer
     def project(self, x, positions):
@@ -155,12 +186,14 @@ class FeatureDrafterNet(nn.Module):
         flat = token_embs.reshape(*token_embs.shape[:-2], -1)
         if c.injection == "mlp":
             y = jnp.concatenate([rms_norm(state, jnp.ones_like(self.out_norm), c.eps), flat], axis=-1)
-            return state + jax.nn.silu(y @ self.g_in) @ self.g_out
-        return state * (1 + jnp.tanh(flat @ self.g_scale)) + flat @ self.g_shift
+            return state + matmul(jax.nn.silu(matmul(y, self.g_in)), self.g_out)
+        return state * (1 + jnp.tanh(matmul(flat, self.g_scale))) + matmul(flat, self.g_shift)
 
-    def logits(self, state: Float[Array, "... E"], head: Float[Array, "V E"]) -> Float[Array, "... V"]:
+    def logits(self, state: Float[Array, "... E"], head: Any) -> Float[Array, "... V"]:
         """Draft-vocabulary logits through the target's frozen head rows."""
         y = rms_norm(state, self.out_norm, self.cfg.eps)
+        if head.ndim == 3:  # the panels of head.T (``pack_for_cpu``)
+            return panel_matmul(y, head)
         return jnp.einsum("...e,ve->...v", y, head, preferred_element_type=jnp.float32)
 
     def __call__(self, states, tokens_emb, positions):  # touches every parameter, for init
