@@ -92,6 +92,99 @@ struct Problem {
   int64_t part_size;
 };
 
+// 16 dot-product accumulators -> one vector of their 16 sums (lane j = sum of s[j]), by halving: each
+// level adds the two halves of a pair of vectors side by side (45 shuffles and adds instead of 16
+// horizontal sums).
+inline v16 Reduce16(v16* s) {
+  v16 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(s[2 * i], s[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline v16 Load(const float* p) {
+  v16 x;
+  __builtin_memcpy(&x, p, 64);
+  return x;
+}
+
+inline void Store(float* p, v16 x) { __builtin_memcpy(p, &x, 64); }
+
+// Scores of one query row against n keys, 16 keys per step with the row in registers (DV = d / 16
+// vectors). Every score is the same chain whatever the other rows are: a T-node pass and a one-token
+// step give bitwise-equal scores.
+template <int DV>
+void ScoresRow(const float* q, const float* k, int64_t n, float* out) {
+  v16 qv[DV];
+  for (int e = 0; e < DV; ++e) qv[e] = Load(q + 16 * e);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    v16 s[16];
+    for (int j = 0; j < 16; ++j) {
+      v16 acc{};
+      if (j < m) {
+        const float* kj = k + (j0 + j) * DV * 16;
+        for (int e = 0; e < DV; ++e) acc += qv[e] * Load(kj + 16 * e);
+      }
+      s[j] = acc;
+    }
+    Store(out + j0, Reduce16(s));
+  }
+}
+
+// acc[r] = sum_j w[r, j] * v[j] for RG rows at once, accumulators in registers.
+template <int DV, int RG>
+void WeightedValues(const float* w, int64_t w_stride, const float* v, int64_t n, float* acc) {
+  v16 a[RG][DV] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    v16 vj[DV];
+    for (int e = 0; e < DV; ++e) vj[e] = Load(v + j * DV * 16 + 16 * e);
+    for (int r = 0; r < RG; ++r) {
+      const float wr = w[r * w_stride + j];
+      for (int e = 0; e < DV; ++e) a[r][e] += wr * vj[e];
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int e = 0; e < DV; ++e) Store(acc + r * DV * 16 + 16 * e, a[r][e]);
+}
+
+template <int DV>
+void WeightedValuesRows(const float* w, int64_t w_stride, const float* v, int64_t n, int64_t rows, float* acc) {
+  constexpr int RG = DV <= 4 ? 4 : 2;  // RG x DV accumulators stay within the 32 vector registers
+  int64_t r = 0;
+  for (; r + RG <= rows; r += RG) WeightedValues<DV, RG>(w + r * w_stride, w_stride, v, n, acc + r * DV * 16);
+  for (; r < rows; ++r) WeightedValues<DV, 1>(w + r * w_stride, w_stride, v, n, acc + r * DV * 16);
+}
+
+// Softmax numerators of each row in place (scores -> exp(score - max)), their max and sum.
+void ExpRows(float* scores, int64_t n_pad, int64_t n, int64_t rows, float* m_out, float* l_out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* p = scores + r * n_pad;
+    float mx = kNegInf;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+    for (int64_t j = n; j < n_pad; ++j) p[j] = kNegInf;
+    v16 sum{};
+    for (int64_t j = 0; j < n; j += 16) {
+      v16 x = Exp(Load(p + j) - mx);
+      Store(p + j, x);
+      sum += x;
+    }
+    m_out[r] = mx;
+    l_out[r] = HSum(sum);
+  }
+}
+
 // One chunk of one kv head: scores, their max, exp, sums and the weighted sum of values.
 void RunItem(const Problem& pb, int64_t i) {
   const Item& it = pb.items[i];
@@ -104,41 +197,28 @@ void RunItem(const Problem& pb, int64_t i) {
   float* acc = l_out + r_n;
   const int64_t n_pad = (n + 15) / 16 * 16;
   std::unique_ptr<float[]> scores(new float[r_n * n_pad]);  // [R, n_pad]
-  for (int64_t j = 0; j < n; ++j) {  // keys outer: each key is read once for every row
+  if (d == 64 || d == 128) {  // register-blocked paths (SmolLM2, Qwen2.5)
+    for (int64_t r = 0; r < r_n; ++r) {
+      if (d == 64) ScoresRow<4>(q + r * d, k, n, scores.get() + r * n_pad);
+      else ScoresRow<8>(q + r * d, k, n, scores.get() + r * n_pad);
+    }
+    ExpRows(scores.get(), n_pad, n, r_n, m_out, l_out);
+    if (d == 64) WeightedValuesRows<4>(scores.get(), n_pad, v, n, r_n, acc);
+    else WeightedValuesRows<8>(scores.get(), n_pad, v, n, r_n, acc);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {  // any head size: keys outer, each key read once for every row
     const float* kj = k + j * d;
     for (int64_t r = 0; r < r_n; ++r) scores[r * n_pad + j] = Dot(q + r * d, kj, d);
   }
-  for (int64_t r = 0; r < r_n; ++r) {
-    float* p = scores.get() + r * n_pad;
-    float mx = kNegInf;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
-    for (int64_t j = n; j < n_pad; ++j) p[j] = kNegInf;
-    v16 sum{};
-    for (int64_t j = 0; j < n; j += 16) {
-      v16 x;
-      __builtin_memcpy(&x, p + j, 64);
-      x = Exp(x - mx);
-      __builtin_memcpy(p + j, &x, 64);
-      sum += x;
-    }
-    m_out[r] = mx;
-    l_out[r] = HSum(sum);
-    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
-  }
-  for (int64_t j = 0; j < n; ++j) {  // values outer too
+  ExpRows(scores.get(), n_pad, n, r_n, m_out, l_out);
+  std::fill(acc, acc + r_n * d, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
     const float* vj = v + j * d;
     for (int64_t r = 0; r < r_n; ++r) {
       const float w = scores[r * n_pad + j];
       float* a = acc + r * d;
-      int64_t e = 0;
-      for (; e + 16 <= d; e += 16) {
-        v16 x, y;
-        __builtin_memcpy(&x, vj + e, 64);
-        __builtin_memcpy(&y, a + e, 64);
-        y += w * x;
-        __builtin_memcpy(a + e, &y, 64);
-      }
-      for (; e < d; ++e) a[e] += w * vj[e];
+      for (int64_t e = 0; e < d; ++e) a[e] += w * vj[e];
     }
   }
 }
@@ -189,7 +269,7 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   std::vector<float> part(pb.items.size() * pb.part_size);
   pb.part = part.data();
   const int64_t n_items = static_cast<int64_t>(pb.items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_items - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([call] { call->Run(); });
   call->Run();
   while (call->done.load(std::memory_order_acquire) < n_items) __builtin_ia32_pause();

@@ -221,7 +221,7 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
 
 
 @settings(max_examples=10, deadline=None)
-@given(b=st.integers(1, 3), kh=st.integers(1, 3), r=st.integers(1, 12), d=st.sampled_from([16, 24, 64]),
+@given(b=st.integers(1, 3), kh=st.integers(1, 3), r=st.integers(1, 12), d=st.sampled_from([16, 24, 64, 128]),
        s=st.sampled_from([8, 256, 700]), seed=st.integers(0, 99))
 def test_cache_attention_equals_its_reference(kernel, b, kh, r, d, s, seed):
     """The kernel's online-softmax state of the cache part, for any filled length (0, partial chunks,
@@ -237,6 +237,24 @@ def test_cache_attention_equals_its_reference(kernel, b, kh, r, d, s, seed):
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
     assert np.all(np.asarray(got[1])[np.asarray(lens) == 0] == 0)  # no valid slot: empty sums
+
+
+@pytest.mark.parametrize("d", [64, 128, 24])
+def test_cache_attention_rows_do_not_depend_on_each_other(kernel, d):
+    """A row's result is bitwise the same whatever other rows share the call: a T-node tree pass and a
+    one-token step compute the same attention for the same query (what greedy equality rests on)."""
+    from hsdjax.kernels.cpu_attention import cache_attention
+
+    rng = np.random.default_rng(d)
+    qg = jnp.asarray(rng.standard_normal((2, 3, 13, d), np.float32))
+    ck, cv = (jnp.asarray(rng.standard_normal((2, 3, 1100, d), np.float32)) for _ in range(2))
+    lens = jnp.asarray([1037, 515], jnp.int32)
+    run = jax.jit(cache_attention)
+    full = run(qg, ck, cv, lens)
+    for rows in (slice(0, 1), slice(5, 8), slice(4, 13)):
+        part = run(qg[:, :, rows], ck, cv, lens)
+        for f, p in zip(full, part):
+            np.testing.assert_array_equal(np.asarray(f)[:, :, rows], np.asarray(p))
 
 
 def test_tree_attention_through_the_kernel_equals_the_reference(kernel):
