@@ -2,7 +2,8 @@
 // matmul kernel by `hsdjax cpu-matmul build`).
 //
 //   q [B, K, R, D] float32, already scaled (R = G query heads x T new tokens of one kv head)
-//   cache_k, cache_v [B, K, S, D] float32; lens [B] int32 (slots >= lens[b] are not attended)
+//   cache_k, cache_v [B, K, S, D] float32 or float16 (two handlers); lens [B] int32 (slots >= lens[b]
+//   are not attended); a float16 cache is widened to float32 as it is read (half the bytes to stream)
 //   -> m [B, K, R], l [B, K, R], acc [B, K, R, D]: the online-softmax state of the cache part (running
 //      max, sum of exp(score - m), sum of exp(score - m) * v), which the caller merges with the new
 //      tokens' part. A row with no valid slot gets m = -1e30, l = 0, acc = 0.
@@ -62,17 +63,29 @@ inline float HSum(v16 s) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-inline float Dot(const float* a, const float* b, int64_t d) {
+typedef _Float16 h16 __attribute__((vector_size(32)));
+
+inline v16 Load(const float* p) {
+  v16 x;
+  __builtin_memcpy(&x, p, 64);
+  return x;
+}
+
+inline v16 Load(const _Float16* p) {  // 16 halves widened to float32 (exact)
+  h16 x;
+  __builtin_memcpy(&x, p, 32);
+  return __builtin_convertvector(x, v16);
+}
+
+inline void Store(float* p, v16 x) { __builtin_memcpy(p, &x, 64); }
+
+template <typename T>
+inline float Dot(const float* a, const T* b, int64_t d) {
   v16 s{};
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    v16 x, y;
-    __builtin_memcpy(&x, a + i, 64);
-    __builtin_memcpy(&y, b + i, 64);
-    s += x * y;
-  }
+  for (; i + 16 <= d; i += 16) s += Load(a + i) * Load(b + i);
   float out = HSum(s);
-  for (; i < d; ++i) out += a[i] * b[i];
+  for (; i < d; ++i) out += a[i] * static_cast<float>(b[i]);
   return out;
 }
 
@@ -82,10 +95,11 @@ struct Item {
   int64_t len;    // slots in the chunk
 };
 
+template <typename T>
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   int64_t r, s, d;
   std::vector<Item> items;
   float* part;  // per item: R maxes, R sums, R x D accumulators
@@ -113,19 +127,11 @@ inline v16 Reduce16(v16* s) {
          __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-inline v16 Load(const float* p) {
-  v16 x;
-  __builtin_memcpy(&x, p, 64);
-  return x;
-}
-
-inline void Store(float* p, v16 x) { __builtin_memcpy(p, &x, 64); }
-
 // Scores of one query row against n keys, 16 keys per step with the row in registers (DV = d / 16
 // vectors). Every score is the same chain whatever the other rows are: a T-node pass and a one-token
 // step give bitwise-equal scores.
-template <int DV>
-void ScoresRow(const float* q, const float* k, int64_t n, float* out) {
+template <int DV, typename T>
+void ScoresRow(const float* q, const T* k, int64_t n, float* out) {
   v16 qv[DV];
   for (int e = 0; e < DV; ++e) qv[e] = Load(q + 16 * e);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -134,7 +140,7 @@ void ScoresRow(const float* q, const float* k, int64_t n, float* out) {
     for (int j = 0; j < 16; ++j) {
       v16 acc{};
       if (j < m) {
-        const float* kj = k + (j0 + j) * DV * 16;
+        const T* kj = k + (j0 + j) * DV * 16;
         for (int e = 0; e < DV; ++e) acc += qv[e] * Load(kj + 16 * e);
       }
       s[j] = acc;
@@ -144,8 +150,8 @@ void ScoresRow(const float* q, const float* k, int64_t n, float* out) {
 }
 
 // acc[r] = sum_j w[r, j] * v[j] for RG rows at once, accumulators in registers.
-template <int DV, int RG>
-void WeightedValues(const float* w, int64_t w_stride, const float* v, int64_t n, float* acc) {
+template <int DV, int RG, typename T>
+void WeightedValues(const float* w, int64_t w_stride, const T* v, int64_t n, float* acc) {
   v16 a[RG][DV] = {};
   for (int64_t j = 0; j < n; ++j) {
     v16 vj[DV];
@@ -159,12 +165,12 @@ void WeightedValues(const float* w, int64_t w_stride, const float* v, int64_t n,
     for (int e = 0; e < DV; ++e) Store(acc + r * DV * 16 + 16 * e, a[r][e]);
 }
 
-template <int DV>
-void WeightedValuesRows(const float* w, int64_t w_stride, const float* v, int64_t n, int64_t rows, float* acc) {
+template <int DV, typename T>
+void WeightedValuesRows(const float* w, int64_t w_stride, const T* v, int64_t n, int64_t rows, float* acc) {
   constexpr int RG = DV <= 4 ? 4 : 2;  // RG x DV accumulators stay within the 32 vector registers
   int64_t r = 0;
-  for (; r + RG <= rows; r += RG) WeightedValues<DV, RG>(w + r * w_stride, w_stride, v, n, acc + r * DV * 16);
-  for (; r < rows; ++r) WeightedValues<DV, 1>(w + r * w_stride, w_stride, v, n, acc + r * DV * 16);
+  for (; r + RG <= rows; r += RG) WeightedValues<DV, RG, T>(w + r * w_stride, w_stride, v, n, acc + r * DV * 16);
+  for (; r < rows; ++r) WeightedValues<DV, 1, T>(w + r * w_stride, w_stride, v, n, acc + r * DV * 16);
 }
 
 // Softmax numerators of each row in place (scores -> exp(score - max)), their max and sum.
@@ -186,12 +192,13 @@ void ExpRows(float* scores, int64_t n_pad, int64_t n, int64_t rows, float* m_out
 }
 
 // One chunk of one kv head: scores, their max, exp, sums and the weighted sum of values.
-void RunItem(const Problem& pb, int64_t i) {
+template <typename T>
+void RunItem(const Problem<T>& pb, int64_t i) {
   const Item& it = pb.items[i];
   const int64_t r_n = pb.r, d = pb.d, n = it.len;
   const float* q = pb.q + it.head * r_n * d;
-  const float* k = pb.k + (it.head * pb.s + it.start) * d;
-  const float* v = pb.v + (it.head * pb.s + it.start) * d;
+  const T* k = pb.k + (it.head * pb.s + it.start) * d;
+  const T* v = pb.v + (it.head * pb.s + it.start) * d;
   float* m_out = pb.part + i * pb.part_size;
   float* l_out = m_out + r_n;
   float* acc = l_out + r_n;
@@ -208,23 +215,24 @@ void RunItem(const Problem& pb, int64_t i) {
     return;
   }
   for (int64_t j = 0; j < n; ++j) {  // any head size: keys outer, each key read once for every row
-    const float* kj = k + j * d;
+    const T* kj = k + j * d;
     for (int64_t r = 0; r < r_n; ++r) scores[r * n_pad + j] = Dot(q + r * d, kj, d);
   }
   ExpRows(scores.get(), n_pad, n, r_n, m_out, l_out);
   std::fill(acc, acc + r_n * d, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + j * d;
+    const T* vj = v + j * d;
     for (int64_t r = 0; r < r_n; ++r) {
       const float w = scores[r * n_pad + j];
       float* a = acc + r * d;
-      for (int64_t e = 0; e < d; ++e) a[e] += w * vj[e];
+      for (int64_t e = 0; e < d; ++e) a[e] += w * static_cast<float>(vj[e]);
     }
   }
 }
 
+template <typename T>
 struct Call {
-  Problem pb;
+  Problem<T> pb;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
@@ -237,8 +245,9 @@ struct Call {
   }
 };
 
-ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
-                          ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
+template <typename T, ffi::DataType DT>
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
+                          ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
                           ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
   auto qd = q.dimensions();
   auto kd = cache_k.dimensions();
@@ -247,11 +256,11 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("hsdjax cache attention: expects q [B, K, R, D], cache [B, K, S, D], lens [B]");
   }
   const int64_t b_n = qd[0], kh = qd[1], r_n = qd[2], d = qd[3], s = kd[2];
-  auto call = std::make_shared<Call>();
-  Problem& pb = call->pb;
+  auto call = std::make_shared<Call<T>>();
+  Problem<T>& pb = call->pb;
   pb.q = q.typed_data();
-  pb.k = cache_k.typed_data();
-  pb.v = cache_v.typed_data();
+  pb.k = reinterpret_cast<const T*>(cache_k.typed_data());
+  pb.v = reinterpret_cast<const T*>(cache_v.typed_data());
   pb.r = r_n;
   pb.s = s;
   pb.d = d;
@@ -298,12 +307,23 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttention, CacheAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttention, (CacheAttention<float, ffi::F32>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttentionF16, (CacheAttention<_Float16, ffi::F16>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from hsdjax.kernels.cpu_matmul import ATTENTION_TARGET
+from hsdjax.kernels.cpu_matmul import ATTENTION_F16_TARGET, ATTENTION_TARGET
 from hsdjax.kernels.tree_attention import (NEG_INF, finish_softmax, merge_softmax, new_token_softmax,
                                            tree_attention_reference)
 
@@ -27,17 +27,21 @@ def cache_attention(qg: Float[Array, "B K R D"], cache_k: Float[Array, "B K S D"
                     cache_len: Int[Array, " B"]) -> tuple[Float[Array, "B K R"], Float[Array, "B K R"],
                                                           Float[Array, "B K R D"]]:
     """The cache part of the softmax for pre-scaled queries: (max, sum of exp, sum of exp * v) per row
-    (max NEG_INF and zeros where a row has no valid slot). Kernel must be loaded (``cpu_matmul.load``)."""
+    (max NEG_INF and zeros where a row has no valid slot). Kernel must be loaded (``cpu_matmul.load``).
+    A float16 cache is read as it is (widened in the kernel); any other dtype is converted to float32."""
     b, k, r, d = qg.shape
     shapes = (jax.ShapeDtypeStruct((b, k, r), jnp.float32), jax.ShapeDtypeStruct((b, k, r), jnp.float32),
               jax.ShapeDtypeStruct((b, k, r, d), jnp.float32))
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, shapes, vmap_method="sequential")
-    return call(qg.astype(jnp.float32), cache_k.astype(jnp.float32), cache_v.astype(jnp.float32),
+    half = cache_k.dtype == jnp.float16 and cache_v.dtype == jnp.float16
+    cache_dtype = jnp.float16 if half else jnp.float32
+    call = jax.ffi.ffi_call(ATTENTION_F16_TARGET if half else ATTENTION_TARGET, shapes, vmap_method="sequential")
+    return call(qg.astype(jnp.float32), cache_k.astype(cache_dtype), cache_v.astype(cache_dtype),
                 cache_len.astype(jnp.int32))
 
 
 def cache_attention_reference(qg, cache_k, cache_v, cache_len):
     """``cache_attention`` in jnp (one pass over the whole bucket; for tests)."""
+    cache_k, cache_v = cache_k.astype(jnp.float32), cache_v.astype(jnp.float32)
     s = jnp.einsum("bkrd,bksd->bkrs", qg, cache_k, preferred_element_type=jnp.float32)
     valid = jnp.arange(cache_k.shape[2])[None, :] < cache_len[:, None]
     s = jnp.where(valid[:, None, None], s, NEG_INF)

@@ -44,6 +44,7 @@ SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cc"))  # one library:
 TARGET = "hsdjax_panel_matmul"
 COMPRESSED_TARGET = "hsdjax_compressed_matmul"
 ATTENTION_TARGET = "hsdjax_cache_attention"
+ATTENTION_F16_TARGET = "hsdjax_cache_attention_f16"  # the same over a float16 KV cache
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 BLOCK_ROWS = {4: 32, 8: 16}  # k per compressed block (see cpu_matmul.cc)
 HEADER = {4: 2 * PANEL * 4, 8: PANEL * 4}  # a block's scales (and offsets), float32
@@ -96,6 +97,8 @@ def load() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HsdjaxPanelMatmul), platform="cpu")
         jax.ffi.register_ffi_target(COMPRESSED_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmul), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttention), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_F16_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttentionF16),
+                                    platform="cpu")
         _state["loaded"] = lib
     return True
 
