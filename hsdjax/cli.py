@@ -40,6 +40,14 @@ def _positive_int_list(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(_positive_int(t) for t in items))
 
 
+def _count_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers >= 0, e.g. ``0,3,6`` (repeats dropped)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of whole numbers, e.g. 0,3,6")
+    return tuple(dict.fromkeys(_non_negative_int(t) for t in items))
+
+
 _probability = _float_in(0.0, 1.0, hi_open=True)
 # by ``hsdjax.methods.Option.kind``
 _OPTION_TYPES = {"size": _positive_int, "count": _non_negative_int, "prob": _probability, "text": None}
@@ -140,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--budgets", type=_positive_int_list, default=FEATURE_BUDGETS,
                    help="hsd / eagle: verified-node budgets tried")
     t.add_argument("--width", type=_positive_int, default=3, help="hsd / eagle: tree width")
+    t.add_argument("--lookups", type=_count_list, default=None,
+                   help="hsd / eagle: lengths of the grafted prompt-lookup continuation tried, e.g. 0,3,6 "
+                        "(default: the method's own)")
     t.add_argument("--min-prob", type=_probability, default=None, help=_OPTION["min_prob"].help)
     t.add_argument("--write", action="store_true")
 
@@ -383,7 +394,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     widths = (args.width,) if feature else (1, 2, 3)
     r = tune(args.model, args.method, args.questions, limit=args.limit, max_new_tokens=args.max_new_tokens,
              max_depth=args.max_depth, draft_model=args.draft_model, write=args.write, widths=widths,
-             depths=args.depths, budgets=args.budgets, min_prob=args.min_prob)
+             depths=args.depths, budgets=args.budgets, min_prob=args.min_prob, lookups=args.lookups)
     print(f"verification pass cost on {r['backend']} ({r['model']}), relative to one token:")
     base = r["pass_cost_s"][1]
     print("  " + "  ".join(f"N={n}: {c / base:.2f}x" for n, c in r["pass_cost_s"].items()))
@@ -391,14 +402,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if feature:
         plain = r["plain_tokens_per_s"]
         print(f"plain decoding on these prompts: {plain:.1f} tokens/s ({r['plain_round_s'] * 1e3:.1f} ms per step)")
-        print(f"{'depth':>5} {'budget':>6} {'nodes':>6} {'tokens/pass':>11} {'verify ms':>9} {'drafter ms':>10} "
-              f"{'expected':>8} {'measured':>8}   (speed-up over plain decoding)")
+        print(f"{'depth':>5} {'budget':>6} {'lookup':>6} {'nodes':>6} {'tokens/pass':>11} {'verify ms':>9} "
+              f"{'drafter ms':>10} {'expected':>8} {'measured':>8}   (speed-up over plain decoding)")
         for c in top:
-            print(f"{c['depth']:>5} {c['budget']:>6} {c['nodes']:>6.2f} {c['tokens_per_pass']:>11.2f} "
+            print(f"{c['depth']:>5} {c['budget']:>6} {c['lookup']:>6} {c['nodes']:>6.2f} {c['tokens_per_pass']:>11.2f} "
                   f"{c['verify_s'] * 1e3:>9.1f} {(c['pass_s'] - c['verify_s']) * 1e3:>10.1f} "
                   f"{c['tokens_per_s'] * r['plain_round_s']:>7.2f}x {c['measured_tokens_per_s'] / plain:>7.2f}x")
         b = r["best"]
-        print(f"best: depth {b['depth']}, budget {b['budget']}, width {b['width']} "
+        print(f"best: depth {b['depth']}, budget {b['budget']}, width {b['width']}, lookup {b['lookup']} "
               f"(expected {b['tokens_per_s'] * r['plain_round_s']:.2f}x plain decoding)")
     else:
         print(f"{'width':>5} {'depth':>5} {'nodes':>5} {'tokens/pass':>11} {'whole tree':>10} {'vs ar':>6}")

@@ -54,7 +54,8 @@ OPTIONS = (  # in the order of the command line's --help
     Option("width", "size", "pld: candidate continuations per round; hsd/eagle: tree width"),
 )
 OPTION_NAMES = tuple(o.name for o in OPTIONS)
-TREE_SIZES = ("depth", "width", "budget")  # what `hsdjax tune` chooses
+TREE_SIZES = ("depth", "width", "budget")  # the tree's shape options
+TUNED_KEYS = (*TREE_SIZES, "lookup")  # what `hsdjax tune` chooses (lookup: hsd / eagle's grafted continuation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,7 @@ def shipped_tuned(model_name: str, method: str) -> dict[str, Any]:
     none were measured here."""
     try:
         entry = json.loads(SHIPPED_TUNED.read_text())[model_name][method][jax.default_backend()]
-        return {k: int(entry[k]) for k in TREE_SIZES if k in entry}
+        return {k: int(entry[k]) for k in TUNED_KEYS if k in entry}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 
@@ -118,7 +119,7 @@ def load_tuned(fingerprint: str, method: str) -> dict[str, Any]:
     path = tuned_path(fingerprint, method)
     try:
         data = json.loads(path.read_text())
-        tuned: dict[str, Any] = {k: int(data[k]) for k in TREE_SIZES if k in data}
+        tuned: dict[str, Any] = {k: int(data[k]) for k in TUNED_KEYS if k in data}
         if data.get("min_prob") is not None:
             tuned["min_prob"] = float(data["min_prob"])
         return tuned
@@ -128,7 +129,7 @@ def load_tuned(fingerprint: str, method: str) -> dict[str, Any]:
 
 def write_tuned(fingerprint: str, method: str, best: dict[str, Any], min_prob: float | None = None) -> Path:
     """Store ``best``'s tree sizes that ``method`` uses (with the ``min_prob`` they were measured with)."""
-    setting = {k: best[k] for k in TREE_SIZES if k in REGISTRY[method].defaults}
+    setting = {k: best[k] for k in TUNED_KEYS if k in REGISTRY[method].defaults and k in best}
     if method in FEATURE_METHODS and min_prob:
         setting["min_prob"] = min_prob
     path = tuned_path(fingerprint, method)
@@ -176,7 +177,8 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
 def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     """The method's defaults; when no tree size is given, the setting shipped for the model's own
     drafter on this kind of device (not for a ``drafter`` checkpoint given explicitly), then this
-    machine's own ``hsdjax tune --write`` setting; then the sizes given."""
+    machine's own ``hsdjax tune --write`` setting (tree sizes and, for hsd / eagle, the lookup length,
+    which an explicit ``lookup`` still overrides); then the sizes given."""
     setting = dict(REGISTRY[method].defaults)
     sizes = {k: given[k] for k in TREE_SIZES if k in given}
     if not sizes and setting:

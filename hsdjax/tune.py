@@ -14,8 +14,10 @@ share of passes that verify the whole tree: ``pld`` verifies the root alone when
 nothing (its tiers), so its expected pass cost mixes the two by the measured share.
 
 The feature drafters (``hsd``, ``eagle``) grow dynamic trees whose verified size is the ``budget``
-(fewer nodes when ``--min-prob`` drops unlikely ones), so a deep run cannot stand in for a smaller
-budget. Each (depth, budget) on a small grid decodes the questions for real; expected tokens/s is the
+(fewer nodes when ``--min-prob`` drops unlikely ones) plus the grafted prompt-lookup continuation
+(``lookup`` tokens when the lookup finds a match), so a deep run cannot stand in for a smaller budget.
+Each (depth, budget, lookup) on a small grid (``--lookups``: default the method's own length) decodes
+the questions for real; expected tokens/s is the
 measured tokens per pass over the pass cost at the measured mean number of verified nodes (the tier the
 engine really ran) plus the drafter's time per round at that depth (measured round time minus that pass
 cost, median over the budgets of one depth, so one noisy run does not decide). Standalone pass costs
@@ -39,7 +41,7 @@ import jax.numpy as jnp
 from hsdjax.api import Generator, load_model
 from hsdjax.bench.questions import read_questions
 from hsdjax.errors import HsdjaxError
-from hsdjax.methods import FEATURE_METHODS, TREE_METHODS, draft_model_of, write_tuned
+from hsdjax.methods import FEATURE_METHODS, REGISTRY, TREE_METHODS, draft_model_of, write_tuned
 from hsdjax.model import Transformer, init_cache
 
 NODE_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -132,27 +134,31 @@ def measure_decoding(model: Any, method: str, prompts: Sequence[Any], max_new_to
 
 def tune_feature(model: Any, method: str, prompts: Sequence[Any], costs: dict[int, float], *,
                  depths: Sequence[int] = FEATURE_DEPTHS, budgets: Sequence[int] = FEATURE_BUDGETS, width: int = 3,
-                 max_new_tokens: int = 128, min_prob: float | None = None,
+                 lookups: Sequence[int] | None = None, max_new_tokens: int = 128, min_prob: float | None = None,
                  progress: bool = True) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Measure every feasible (depth, budget) and model its tokens/s (see the module docstring).
+    """Measure every feasible (depth, budget, lookup) and model its tokens/s (see the module docstring);
+    ``lookups``: lengths of the grafted prompt-lookup continuation tried (default: the method's own).
 
     The standalone pass costs carry a dispatch per call that a pass inside the decoding loop does not,
     so they are scaled to plain decoding's measured in-loop step (``ar`` on the same prompts)."""
     from tqdm.auto import tqdm
 
-    grid = [(d, b) for d in depths for b in budgets if b <= d * width]
+    lookups = tuple(lookups) if lookups else (REGISTRY[method].defaults["lookup"],)
+    if min(lookups) < 0:
+        raise HsdjaxError(f"lookup lengths must be at least 0 (got {min(lookups)})")
+    grid = [(d, b, look) for d in depths for b in budgets if b <= d * width for look in lookups]
     if not grid:
         raise HsdjaxError(f"no feasible setting: every budget exceeds depth x width ({width})")
     ar = measure_decoding(model, "ar", prompts, max_new_tokens)
     plain = {"round_s": ar["round_s"], "tokens_per_s": ar["measured_tokens_per_s"]}
     scale = plain["round_s"] / costs[1]
     rows = []
-    for d, b in tqdm(grid, desc=f"tune {method}", unit="setting", disable=not progress):
+    for d, b, look in tqdm(grid, desc=f"tune {method}", unit="setting", disable=not progress):
         m = measure_decoding(model, method, prompts, max_new_tokens, depth=d, width=width, budget=b,
-                             min_prob=min_prob)
+                             min_prob=min_prob, lookup=look)
         verify_s = interpolate(costs, max(1, round(m["mean_nodes"]))) * scale
-        rows.append({"width": width, "depth": d, "budget": b, "nodes": m["mean_nodes"], "verify_s": verify_s,
-                     "drafter_s": max(m["round_s"] - verify_s, 0.0), **m})
+        rows.append({"width": width, "depth": d, "budget": b, "lookup": look, "nodes": m["mean_nodes"],
+                     "verify_s": verify_s, "drafter_s": max(m["round_s"] - verify_s, 0.0), **m})
     for d in {r["depth"] for r in rows}:
         drafter_s = statistics.median(r["drafter_s"] for r in rows if r["depth"] == d)
         for r in rows:
@@ -166,7 +172,8 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
          max_new_tokens: int = 128, max_depth: int = 8, widths: Sequence[int] = (1, 2, 3),
          draft_model: str | None = None, write: bool = False, depths: Sequence[int] = FEATURE_DEPTHS,
          budgets: Sequence[int] = FEATURE_BUDGETS, min_prob: float | None = None,
-         node_counts: Sequence[int] = NODE_COUNTS, progress: bool = True) -> dict[str, Any]:
+         node_counts: Sequence[int] = NODE_COUNTS, progress: bool = True,
+         lookups: Sequence[int] | None = None) -> dict[str, Any]:
     """Measure ``method`` on the model and choose its tree setting (see the module docstring); ``write``
     stores the best one as this device's default."""
     if method not in TREE_METHODS:
@@ -179,8 +186,8 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
     plain = {"round_s": costs[1], "tokens_per_s": 1 / costs[1]}  # pld / sps: the standalone pass is the unit
     if method in FEATURE_METHODS:
         candidates, plain = tune_feature(model, method, prompts, costs, depths=depths, budgets=budgets,
-                                         width=max(widths), max_new_tokens=max_new_tokens, min_prob=min_prob,
-                                         progress=progress)
+                                         width=max(widths), lookups=lookups, max_new_tokens=max_new_tokens,
+                                         min_prob=min_prob, progress=progress)
     else:
         if method == "sps":
             name = draft_model_of(model, draft_model)

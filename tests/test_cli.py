@@ -50,6 +50,8 @@ def test_generate_json_end_to_end():
     (["generate", "--prompt", "hi", "--method", "hsd", "--lookup", "-1"], "lookup"),
     (["generate", "--prompt", "hi", "--method", "hsd", "--lookup", "65"], "--lookup must be between 0 and 64"),
     (["generate", "--prompt", "hi", "--method", "eagle", "--lookup-ngram", "4"], "--lookup-ngram must be between 1"),
+    (["tune", "--questions", "q.jsonl", "--method", "hsd", "--lookups", "3,x"], "whole number"),
+    (["tune", "--questions", "q.jsonl", "--method", "hsd", "--lookups", "-1"], "lookups"),
     (["train-drafter", "/nonexistent/config.json"], "config not found"),
     (["train-drafter", "README.md"], "not JSON"),
 ])

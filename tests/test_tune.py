@@ -28,24 +28,25 @@ def tuned_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_tune_hsd_measures_each_budget_and_writes_the_default(qfile, tuned_dir, smollm):
+def test_tune_hsd_measures_each_budget_and_lookup_and_writes_the_default(qfile, tuned_dir, smollm):
     r = tune_mod.tune("smollm2-135m", "hsd", [str(qfile)], limit=1, max_new_tokens=24, widths=(2,), depths=(2,),
-                      budgets=(2, 4, 9), node_counts=(1, 3, 5), write=True, progress=False)
-    rows = {(c["depth"], c["budget"]): c for c in r["candidates"]}
-    assert set(rows) == {(2, 2), (2, 4)}  # budget 9 > depth x width is not a tree of this shape
-    lookup = methods.DEFAULTS["hsd"]["lookup"]  # the default graft of prompt lookup's continuation
-    for (depth, budget), c in rows.items():
+                      budgets=(2, 4, 9), lookups=(0, 3), node_counts=(1, 3, 5), write=True, progress=False)
+    rows = {(c["depth"], c["budget"], c["lookup"]): c for c in r["candidates"]}
+    # budget 9 > depth x width is not a tree of this shape
+    assert set(rows) == {(2, 2, 0), (2, 2, 3), (2, 4, 0), (2, 4, 3)}
+    for (depth, budget, lookup), c in rows.items():
         assert 1.0 <= c["tokens_per_pass"] <= max(depth, lookup) + 1
         assert 1.0 <= c["nodes"] <= budget + 1 + lookup  # verified tier, root included
         assert c["pass_s"] >= c["verify_s"] > 0 and c["tokens_per_s"] > 0 and c["measured_tokens_per_s"] > 0
     assert set(r["pass_cost_s"]) == {1, 3, 5}
     best = r["best"]
     written = json.loads((tuned_dir / "hsd.json").read_text())
-    assert {k: written[k] for k in ("depth", "width", "budget")} == {k: best[k] for k in ("depth", "width", "budget")}
+    keys = ("depth", "width", "budget", "lookup")
+    assert {k: written[k] for k in keys} == {k: best[k] for k in keys}
     drafter, _ = make_drafter("hsd", smollm)  # no explicit tree options: the tuned setting applies
-    assert (drafter.depth, drafter.width, drafter.budget) == (best["depth"], best["width"], best["budget"])
-    drafter, _ = make_drafter("hsd", smollm, budget=3)  # explicit options win
-    assert drafter.budget == 3
+    assert (drafter.depth, drafter.width, drafter.budget, drafter.lookup) == tuple(best[k] for k in keys)
+    drafter, _ = make_drafter("hsd", smollm, budget=3, lookup=5)  # explicit options win
+    assert (drafter.budget, drafter.lookup) == (3, 5)
 
 
 def test_tune_pld_expected_rate_follows_measured_acceptance(qfile, tuned_dir):
@@ -100,4 +101,5 @@ def test_the_shipped_settings_name_shipped_drafters():
             if method in methods.FEATURE_METHODS:
                 assert methods.has_shipped_drafter(model, method), (model, method)
             for backend, sizes in per_backend.items():
-                assert set(sizes) <= set(methods.TREE_SIZES) and all(1 <= v <= 64 for v in sizes.values()), sizes
+                assert set(sizes) <= set(methods.TUNED_KEYS), sizes
+                assert all(1 <= v <= 64 for k, v in sizes.items() if k != "lookup") and 0 <= sizes.get("lookup", 0) <= 64
