@@ -95,8 +95,25 @@ def commit(
     return write_path(cache, *gather_path(new_k, new_v, keep), n_keep)
 
 
+def sum_last_in_fixed_order(x: Float[Array, "... E"]) -> Float[Array, "... 1"]:
+    """Sum over the last axis in one fixed order of additions (16-wide partial sums, then halving), so
+    a row's sum does not depend on how many rows XLA reduces together: a T-token pass and a one-token
+    step give the same bits (a plain reduce is vectorized differently for different shapes)."""
+    e = x.shape[-1]
+    if e % 16:
+        return jnp.sum(x, axis=-1, keepdims=True)
+    parts = x.reshape(*x.shape[:-1], e // 16, 16)
+    acc = parts[..., 0, :]
+    for i in range(1, e // 16):
+        acc = acc + parts[..., i, :]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc
+
+
 def rms_norm(x: Float[Array, "... E"], scale: Float[Array, " E"], eps: float) -> Float[Array, "... E"]:
-    var = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    var = sum_last_in_fixed_order(jnp.square(x.astype(jnp.float32))) / x.shape[-1]
     return (x * jax.lax.rsqrt(var + eps)).astype(x.dtype) * scale
 
 

@@ -305,6 +305,234 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// Position-ordered attention over the cache and a pass's new tokens, in one kernel.
+//
+//   q [B, K, R, D] float32, pre-scaled, R = G x T (row g * T + t: query head g of new token t)
+//   cache_k, cache_v [B, K, S, D]; lens [B] int32 (the cached prefix L of each row)
+//   new_k, new_v [B, K, T, D] float32; anc [B, T, T] int32 (anc[t][e]: the new token at depth e on
+//   token t's path, its own index at e = depth[t]); depth [B, T] int32
+//   -> l [B, K, R], acc [B, K, R, D]: softmax sum and weighted values (output = acc / l)
+//
+// New token t sits at position L + depth[t] and attends to positions 0 .. L + depth[t]: the cache below
+// L, then its path. Keys are walked by *position* in fixed 256-position chunks whatever their source,
+// so a token's attention is the same chain of operations in a one-token step (where its path is in the
+// cache) and in a T-token tree pass (where it is not): bitwise-equal results, the property that makes
+// speculative output independent of float rounding.
+struct TreeProblem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const float* nk;
+  const float* nv;
+  const int32_t* anc;
+  const int32_t* depth;
+  const int32_t* lens;
+  int64_t kh, g, t, s, d;
+  std::vector<Item> items;  // head = b * K + k, start = first position of the chunk
+  float* part;               // per item: R maxes, R sums, R x D accumulators
+  int64_t part_size;
+};
+
+template <int DV>
+void TreeScoresRow(const float* q, const float* const* keys, int64_t n, float* out) {
+  v16 qv[DV];
+  for (int e = 0; e < DV; ++e) qv[e] = Load(q + 16 * e);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    v16 s[16];
+    for (int j = 0; j < 16; ++j) {
+      v16 acc{};
+      if (j < m) {
+        const float* kj = keys[j0 + j];
+        for (int e = 0; e < DV; ++e) acc += qv[e] * Load(kj + 16 * e);
+      }
+      s[j] = acc;
+    }
+    Store(out + j0, Reduce16(s));
+  }
+}
+
+template <int DV>
+void TreeValuesRow(const float* w, const float* const* vals, int64_t n, float* acc) {
+  v16 a[DV] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float wj = w[j];
+    for (int e = 0; e < DV; ++e) a[e] += wj * Load(vals[j] + 16 * e);
+  }
+  for (int e = 0; e < DV; ++e) Store(acc + 16 * e, a[e]);
+}
+
+void TreeRowGeneric(const float* q, const float* const* keys, const float* const* vals, int64_t n, int64_t n_pad,
+                    int64_t d, float* scores, float* m_out, float* l_out, float* acc) {
+  for (int64_t j = 0; j < n; ++j) scores[j] = Dot(q, keys[j], d);
+  ExpRows(scores, n_pad, n, 1, m_out, l_out);
+  std::fill(acc, acc + d, 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t e = 0; e < d; ++e) acc[e] += scores[j] * vals[j][e];
+}
+
+void RunTreeItem(const TreeProblem& pb, int64_t i) {
+  const Item& it = pb.items[i];
+  const int64_t b = it.head / pb.kh, g_n = pb.g, t_n = pb.t, d = pb.d, r_n = g_n * t_n;
+  const int64_t len = pb.lens[b];
+  const float* q = pb.q + it.head * r_n * d;
+  const float* ck = pb.k + it.head * pb.s * d;
+  const float* cv = pb.v + it.head * pb.s * d;
+  const float* nk = pb.nk + it.head * t_n * d;
+  const float* nv = pb.nv + it.head * t_n * d;
+  float* m_out = pb.part + i * pb.part_size;
+  float* l_out = m_out + r_n;
+  float* acc_out = l_out + r_n;
+  if ((d == 64 || d == 128) && it.start + kChunk <= len) {
+    // every row sees all of this chunk, from the cache: the shared-keys path (register-blocked over rows;
+    // each row's operations are the ones of the per-token path below, so the bits are the same)
+    std::unique_ptr<float[]> all(new float[r_n * kChunk]);
+    const float* k = ck + it.start * d;
+    const float* v = cv + it.start * d;
+    for (int64_t r = 0; r < r_n; ++r) {
+      if (d == 64) ScoresRow<4>(q + r * d, k, kChunk, all.get() + r * kChunk);
+      else ScoresRow<8>(q + r * d, k, kChunk, all.get() + r * kChunk);
+    }
+    ExpRows(all.get(), kChunk, kChunk, r_n, m_out, l_out);
+    if (d == 64) WeightedValuesRows<4>(all.get(), kChunk, v, kChunk, r_n, acc_out);
+    else WeightedValuesRows<8>(all.get(), kChunk, v, kChunk, r_n, acc_out);
+    return;
+  }
+  const float* keys[kChunk];
+  const float* vals[kChunk];
+  float scores[kChunk];
+  for (int64_t t = 0; t < t_n; ++t) {
+    const int64_t dep = pb.depth[b * t_n + t];
+    const int32_t* path = pb.anc + (b * t_n + t) * t_n;
+    const int64_t end = std::min<int64_t>(it.start + kChunk, len + dep + 1);  // positions this token sees
+    const int64_t n = end - it.start;
+    for (int64_t g = 0; g < g_n; ++g) {
+      const int64_t r = g * t_n + t;
+      if (n <= 0) {
+        m_out[r] = kNegInf;
+        l_out[r] = 0.0f;
+        std::fill(acc_out + r * d, acc_out + (r + 1) * d, 0.0f);
+      }
+    }
+    if (n <= 0) continue;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = it.start + j;
+      if (pos < len) {
+        keys[j] = ck + pos * d;
+        vals[j] = cv + pos * d;
+      } else {
+        const int64_t u = path[pos - len];
+        keys[j] = nk + u * d;
+        vals[j] = nv + u * d;
+      }
+    }
+    const int64_t n_pad = (n + 15) / 16 * 16;
+    for (int64_t g = 0; g < g_n; ++g) {
+      const int64_t r = g * t_n + t;
+      const float* qr = q + r * d;
+      float* acc = acc_out + r * d;
+      if (d == 64 || d == 128) {
+        if (d == 64) TreeScoresRow<4>(qr, keys, n, scores);
+        else TreeScoresRow<8>(qr, keys, n, scores);
+        ExpRows(scores, n_pad, n, 1, m_out + r, l_out + r);
+        if (d == 64) TreeValuesRow<4>(scores, vals, n, acc);
+        else TreeValuesRow<8>(scores, vals, n, acc);
+      } else {
+        TreeRowGeneric(qr, keys, vals, n, n_pad, d, scores, m_out + r, l_out + r, acc);
+      }
+    }
+  }
+}
+
+struct TreeCall {
+  TreeProblem pb;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    const int64_t n = static_cast<int64_t>(pb.items.size());
+    for (int64_t i; (i = next.fetch_add(1)) < n;) {
+      RunTreeItem(pb, i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
+                         ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
+                         ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::S32> anc, ffi::Buffer<ffi::S32> depth,
+                         ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
+  auto qd = q.dimensions();
+  auto kd = cache_k.dimensions();
+  auto nd = new_k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] ||
+      nd[0] != qd[0] || nd[1] != qd[1] || nd[3] != qd[3] || qd[2] % nd[2] != 0 || lens.element_count() != qd[0] ||
+      anc.element_count() != nd[0] * nd[2] * nd[2] || depth.element_count() != nd[0] * nd[2]) {
+    return ffi::Error::InvalidArgument(
+        "hsdjax tree attention: expects q [B, K, G*T, D], cache [B, K, S, D], lens [B], new [B, K, T, D], "
+        "anc [B, T, T], depth [B, T]");
+  }
+  const int64_t b_n = qd[0], kh = qd[1], r_n = qd[2], d = qd[3], s = kd[2], t_n = nd[2];
+  if (t_n > kChunk) return ffi::Error::InvalidArgument("hsdjax tree attention: at most 256 new tokens");
+  auto call = std::make_shared<TreeCall>();
+  TreeProblem& pb = call->pb;
+  pb.q = q.typed_data();
+  pb.k = cache_k.typed_data();
+  pb.v = cache_v.typed_data();
+  pb.nk = new_k.typed_data();
+  pb.nv = new_v.typed_data();
+  pb.anc = anc.typed_data();
+  pb.depth = depth.typed_data();
+  std::vector<int32_t> clamped(b_n);
+  for (int64_t b = 0; b < b_n; ++b) clamped[b] = std::clamp<int32_t>(lens.typed_data()[b], 0, s);
+  pb.lens = clamped.data();
+  pb.kh = kh;
+  pb.g = r_n / t_n;
+  pb.t = t_n;
+  pb.s = s;
+  pb.d = d;
+  std::vector<int64_t> first(b_n * kh + 1, 0);
+  for (int64_t b = 0; b < b_n; ++b) {
+    int64_t deepest = 0;
+    for (int64_t t = 0; t < t_n; ++t) deepest = std::max<int64_t>(deepest, pb.depth[b * t_n + t]);
+    const int64_t end = clamped[b] + deepest + 1;
+    for (int64_t k = 0; k < kh; ++k) {
+      for (int64_t start = 0; start < end; start += kChunk) pb.items.push_back(Item{b * kh + k, start, 0});
+      first[b * kh + k + 1] = static_cast<int64_t>(pb.items.size());
+    }
+  }
+  pb.part_size = r_n * (2 + d);
+  std::vector<float> part(pb.items.size() * pb.part_size);
+  pb.part = part.data();
+  const int64_t n_items = static_cast<int64_t>(pb.items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([call] { call->Run(); });
+  call->Run();
+  while (call->done.load(std::memory_order_acquire) < n_items) __builtin_ia32_pause();
+
+  for (int64_t h = 0; h < b_n * kh; ++h) {  // merge each row's chunks in position order
+    for (int64_t r = 0; r < r_n; ++r) {
+      float mx = kNegInf;
+      for (int64_t i = first[h]; i < first[h + 1]; ++i) mx = std::max(mx, part[i * pb.part_size + r]);
+      float sum = 0.0f;
+      float* a = acc->typed_data() + (h * r_n + r) * d;
+      std::fill(a, a + d, 0.0f);
+      for (int64_t i = first[h]; i < first[h + 1]; ++i) {
+        const float* pi = part.data() + i * pb.part_size;
+        if (pi[r_n + r] == 0.0f) continue;  // no key of this row in the chunk
+        const float alpha = std::exp(pi[r] - mx);
+        sum += alpha * pi[r_n + r];
+        const float* ai = pi + 2 * r_n + r * d;
+        for (int64_t e = 0; e < d; ++e) a[e] += alpha * ai[e];
+      }
+      l->typed_data()[h * r_n + r] = sum;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttention, (CacheAttention<float, ffi::F32>),
@@ -326,5 +554,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttentionF16, (CacheAttention<_Float16,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxTreeAttention, TreeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

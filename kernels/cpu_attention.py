@@ -1,14 +1,17 @@
-"""Tree attention for the CPU with the KV cache's share computed by hsdjax's C++ kernel
-(``cpu_attention.cc``, built into the same library as ``cpu_matmul``), the new tokens' share in jnp.
+"""Tree attention for the CPU through hsdjax's C++ kernels (``cpu_attention.cc``, built into the same
+library as ``cpu_matmul``).
 
 Why: the jnp reference walks the cache in 256-slot blocks under a ``fori_loop``; on this CPU each
 block cost ~100 us whatever its size, so a one-token step after a 2,000-token prompt spent more time
-in attention than in all the matmuls. The kernel walks only the valid slots of each row, in chunks
-shared with XLA's thread pool, and returns the online-softmax state (max, sum, weighted values) that
-is merged here with the new tokens' part exactly as the reference merges its blocks. Same semantics
-and signature as ``tree_attention_reference``; used for passes of at most ``MAX_NEW_TOKENS`` new tokens
-(decoding and verification), the reference for longer ones (prompt chunks, where XLA's batched
-matmuls win)."""
+in attention than in all the matmuls. ``position_ordered_attention`` (what the model uses for passes
+of at most ``MAX_NEW_TOKENS`` new tokens: decoding and verification) walks each new token's keys by
+position, the cache below the row's prefix and then the token's own path in the pass, in fixed
+256-position chunks shared with XLA's thread pool: only filled positions cost anything, and a token's
+result is bitwise the same in a one-token step and in a tree pass (its path read from the cache or
+from the pass), so greedy speculation cannot leave `ar` even at exact ties. Longer passes (prompt
+chunks) keep the reference. ``cache_attention`` is the cache-only kernel (float32 or float16 cache)
+that returns the online-softmax state for a caller to merge; kept, tested, for a float16 cache.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from hsdjax.kernels.cpu_matmul import ATTENTION_F16_TARGET, ATTENTION_TARGET
-from hsdjax.kernels.tree_attention import (NEG_INF, finish_softmax, merge_softmax, new_token_softmax,
-                                           tree_attention_reference)
+from hsdjax.kernels.cpu_matmul import ATTENTION_F16_TARGET, ATTENTION_TARGET, TREE_ATTENTION_TARGET
+from hsdjax.kernels.tree_attention import (NEG_INF, finish_softmax, tree_attention_reference)
 
 MAX_NEW_TOKENS = 64
 
@@ -50,15 +52,36 @@ def cache_attention_reference(qg, cache_k, cache_v, cache_len):
     return m, p.sum(-1), jnp.einsum("bkrs,bksd->bkrd", p, cache_v, preferred_element_type=jnp.float32)
 
 
+def tree_paths(tree_mask: Bool[Array, "B T T"]) -> tuple[Int[Array, "B T T"], Int[Array, "B T"]]:
+    """Each new token's depth (how many of the pass's tokens it sees, minus one) and its path:
+    ``anc[b, t, e]`` is the token at depth e that token t sees (itself at its own depth)."""
+    t = tree_mask.shape[-1]
+    depth = jnp.sum(tree_mask, axis=-1, dtype=jnp.int32) - 1
+    at = tree_mask[:, :, :, None] & (depth[:, None, :, None] == jnp.arange(t, dtype=jnp.int32))  # [B, T, U, E]
+    return jnp.argmax(at, axis=2).astype(jnp.int32), depth
+
+
+def position_ordered_attention(q: Float[Array, "B T H D"], cache_k, cache_v, cache_len, new_k, new_v, tree_mask):
+    """Attention of T new tokens over the cache and their paths in one kernel call that walks keys by
+    position (``cpu_attention.cc``: a token's result is bitwise the same in a one-token step and a tree
+    pass). Float32 cache only."""
+    b, t, h, d = q.shape
+    kh = new_k.shape[2]
+    g = h // kh
+    qg = (q * (d ** -0.5)).reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
+    anc, depth = tree_paths(tree_mask)
+    shapes = (jax.ShapeDtypeStruct((b, kh, g * t), jnp.float32), jax.ShapeDtypeStruct((b, kh, g * t, d), jnp.float32))
+    call = jax.ffi.ffi_call(TREE_ATTENTION_TARGET, shapes, vmap_method="sequential")
+    l, acc = call(qg.astype(jnp.float32), cache_k.astype(jnp.float32), cache_v.astype(jnp.float32),
+                  cache_len.astype(jnp.int32), new_k.transpose(0, 2, 1, 3).astype(jnp.float32),
+                  new_v.transpose(0, 2, 1, 3).astype(jnp.float32), anc, depth)
+    return finish_softmax(q, l.reshape(b, kh, g, t, 1), acc.reshape(b, kh, g, t, d))
+
+
 def tree_attention_cpu(q: Float[Array, "B T H D"], cache_k, cache_v, cache_len, new_k: Float[Array, "B U K D"],
                        new_v: Float[Array, "B U K D"], tree_mask: Bool[Array, "B T U"], **_: object):
-    """``tree_attention_reference`` with the cache part through the kernel (see the module docstring)."""
+    """``tree_attention_reference`` through the kernel (see the module docstring)."""
     b, t, h, d = q.shape
     if cache_k is None or cache_k.shape[2] == 0 or t > MAX_NEW_TOKENS:
         return tree_attention_reference(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask)
-    qg, new_part = new_token_softmax(q, new_k, new_v, tree_mask)
-    kh, g = qg.shape[1], qg.shape[2]
-    m_c, l_c, acc_c = cache_attention(qg.reshape(b, kh, g * t, d), cache_k, cache_v, cache_len)
-    cache_part = (m_c.reshape(b, kh, g, t, 1), l_c.reshape(b, kh, g, t, 1), acc_c.reshape(b, kh, g, t, d))
-    _, l, acc = merge_softmax(new_part, cache_part)
-    return finish_softmax(q, l, acc)
+    return position_ordered_attention(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask)

@@ -257,6 +257,36 @@ def test_cache_attention_rows_do_not_depend_on_each_other(kernel, d, cache):
             np.testing.assert_array_equal(np.asarray(f)[:, :, rows], np.asarray(p))
 
 
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 2), t=st.integers(1, 12), kh=st.sampled_from([1, 3]), g=st.sampled_from([1, 3]),
+       d=st.sampled_from([24, 64, 128]), s=st.sampled_from([16, 300, 600]), seed=st.integers(0, 99))
+def test_position_ordered_attention_equals_the_reference(kernel, b, t, kh, g, d, s, seed):
+    """Random trees (each node's parent is an earlier node) over random filled lengths (0, chunk
+    edges, more than the bucket): the kernel equals the jnp reference."""
+    from hsdjax.kernels.cpu_attention import position_ordered_attention
+    from hsdjax.kernels.tree_attention import tree_attention_reference
+
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, kh * g, d), np.float32))
+    ck, cv = (jnp.asarray(rng.standard_normal((b, kh, s, d), np.float32)) for _ in range(2))
+    nk, nv = (jnp.asarray(rng.standard_normal((b, t, kh, d), np.float32)) for _ in range(2))
+    masks = []
+    for _ in range(b):
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
+        mask = np.eye(t, dtype=bool)
+        for i in range(t):
+            j = parent[i]
+            while j >= 0:
+                mask[i, j] = True
+                j = parent[j]
+        masks.append(mask)
+    lens = jnp.asarray(rng.choice([0, 1, 255, 256, 257, s - 1, s], b), jnp.int32)
+    lens = jnp.minimum(lens, s)
+    got = jax.jit(position_ordered_attention)(q, ck, cv, lens, nk, nv, jnp.asarray(np.stack(masks)))
+    want = tree_attention_reference(q, ck, cv, lens, nk, nv, jnp.asarray(np.stack(masks)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_tree_attention_through_the_kernel_equals_the_reference(kernel):
     from hsdjax.kernels.cpu_attention import tree_attention_cpu
     from hsdjax.kernels.tree_attention import tree_attention_reference
@@ -279,3 +309,45 @@ def test_tree_attention_through_the_kernel_equals_the_reference(kernel):
         got = jax.jit(tree_attention_cpu)(q, ck, cv, lens, nk, nv, mask)
         want = tree_attention_reference(q, ck, cv, lens, nk, nv, mask)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ bitwise passes
+
+
+def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel):
+    """SmolLM2 on the CPU kernels: the logits of every node of a tree pass (a chain with a branch, after
+    a cached prompt) are bit for bit those of one-token steps along the node's path, so greedy
+    speculation picks `ar`'s token even at exact ties (attention walks keys by position whatever their
+    source; norms sum in one fixed order)."""
+    from hsdjax.api import load_model
+    from hsdjax.model import Transformer, causal_mask, commit, init_cache
+
+    model = load_model("smollm2-135m", cpu_matmul="on")
+    net, params = Transformer(model.cfg), {"params": model.params}
+    rng = np.random.default_rng(0)
+    n = 252  # the paths below cross position 256, where the kernel's key chunks meet
+    prompt = jnp.asarray(rng.integers(0, 5000, (1, n)), jnp.int32)
+    cache = init_cache(model.cfg, 1, 512)
+    run = jax.jit(lambda tokens, pos, mask, cache: net.apply(params, tokens, pos, mask, cache))
+    head = jax.jit(lambda h: net.apply(params, h, method=Transformer.logits))
+    for start in range(0, n, 63):  # the prompt in 63-token pieces through the kernel path
+        piece = prompt[:, start:start + 63]
+        fwd = run(piece, jnp.arange(start, start + 63)[None], causal_mask(jnp.array([63]), 63), cache)
+        cache = commit(cache, fwd["k"], fwd["v"], jnp.arange(63)[None], jnp.array([63]))
+    # a tree: 0 -> 1 -> 2 -> 3 and 0 -> 1 -> 4 -> 5 -> 6 -> 7 -> 8 (9 nodes: more rows than one matmul panel pass)
+    parents = [-1, 0, 1, 2, 1, 4, 5, 6, 7]
+    tokens = jnp.asarray(rng.integers(0, 5000, (1, len(parents))), jnp.int32)
+    depth, mask = [], np.eye(len(parents), dtype=bool)
+    for i, p in enumerate(parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+        while p >= 0:
+            mask[i, p] = True
+            p = parents[p]
+    tree = run(tokens, n + jnp.asarray(depth)[None], jnp.asarray(mask)[None], cache)
+    tree_logits = np.asarray(head(tree["hidden"]))[0]
+    for leaf_path in ([0, 1, 2, 3], [0, 1, 4, 5, 6, 7, 8]):
+        step_cache = cache
+        for d, node in enumerate(leaf_path):
+            one = run(tokens[:, node:node + 1], jnp.array([[n + d]]), jnp.ones((1, 1, 1), bool), step_cache)
+            step_cache = commit(step_cache, one["k"], one["v"], jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
+            np.testing.assert_array_equal(np.asarray(head(one["hidden"]))[0, 0], tree_logits[node])
