@@ -220,6 +220,17 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
 # ------------------------------------------------------------------------------------------ cache attention
 
 
+def path_mask(parent: list[int]) -> np.ndarray:
+    """The tree attention mask of a parent list: each node sees itself and its ancestors."""
+    mask = np.eye(len(parent), dtype=bool)
+    for i in range(len(parent)):
+        j = parent[i]
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+    return mask
+
+
 @settings(max_examples=16, deadline=None)
 @given(b=st.integers(1, 3), kh=st.integers(1, 3), r=st.integers(1, 12), d=st.sampled_from([16, 24, 64, 128]),
        s=st.sampled_from([8, 256, 700]), seed=st.integers(0, 99), cache=st.sampled_from(["float32", "float16"]))
@@ -270,16 +281,7 @@ def test_position_ordered_attention_equals_the_reference(kernel, b, t, kh, g, d,
     q = jnp.asarray(rng.standard_normal((b, t, kh * g, d), np.float32))
     ck, cv = (jnp.asarray(rng.standard_normal((b, kh, s, d), np.float32)) for _ in range(2))
     nk, nv = (jnp.asarray(rng.standard_normal((b, t, kh, d), np.float32)) for _ in range(2))
-    masks = []
-    for _ in range(b):
-        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
-        mask = np.eye(t, dtype=bool)
-        for i in range(t):
-            j = parent[i]
-            while j >= 0:
-                mask[i, j] = True
-                j = parent[j]
-        masks.append(mask)
+    masks = [path_mask([-1] + [int(rng.integers(0, i)) for i in range(1, t)]) for _ in range(b)]
     lens = jnp.asarray(rng.choice([0, 1, 255, 256, 257, s - 1, s], b), jnp.int32)
     lens = jnp.minimum(lens, s)
     got = jax.jit(position_ordered_attention)(q, ck, cv, lens, nk, nv, jnp.asarray(np.stack(masks)))
@@ -296,13 +298,7 @@ def test_tree_attention_through_the_kernel_equals_the_reference(kernel):
     q = jnp.asarray(rng.standard_normal((b, t, kh * g, d), np.float32))
     ck, cv = (jnp.asarray(rng.standard_normal((b, kh, s, d), np.float32)) for _ in range(2))
     nk, nv = (jnp.asarray(rng.standard_normal((b, t, kh, d), np.float32)) for _ in range(2))
-    parent = np.array([-1, 0, 0, 1, 1, 2])  # a tree: each node sees itself and its ancestors
-    mask = np.eye(t, dtype=bool)
-    for i in range(t):
-        j = parent[i]
-        while j >= 0:
-            mask[i, j] = True
-            j = parent[j]
+    mask = path_mask([-1, 0, 0, 1, 1, 2])  # a tree: each node sees itself and its ancestors
     mask = jnp.asarray(np.stack([mask, mask]))
     for lens in ([0, 300], [1024, 257]):
         lens = jnp.asarray(lens, jnp.int32)
@@ -337,12 +333,9 @@ def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel):
     # a tree: 0 -> 1 -> 2 -> 3 and 0 -> 1 -> 4 -> 5 -> 6 -> 7 -> 8 (9 nodes: more rows than one matmul panel pass)
     parents = [-1, 0, 1, 2, 1, 4, 5, 6, 7]
     tokens = jnp.asarray(rng.integers(0, 5000, (1, len(parents))), jnp.int32)
-    depth, mask = [], np.eye(len(parents), dtype=bool)
-    for i, p in enumerate(parents):
+    mask, depth = path_mask(parents), []
+    for p in parents:
         depth.append(0 if p < 0 else depth[p] + 1)
-        while p >= 0:
-            mask[i, p] = True
-            p = parents[p]
     tree = run(tokens, n + jnp.asarray(depth)[None], jnp.asarray(mask)[None], cache)
     tree_logits = np.asarray(head(tree["hidden"]))[0]
     for leaf_path in ([0, 1, 2, 3], [0, 1, 4, 5, 6, 7, 8]):
