@@ -213,11 +213,13 @@ def main() -> int:
     p.add_argument("--acceptance-only", action="store_true",
                    help="acceptance and identity only: no pass-cost timing, no speed columns")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--kv-cache", default=None, choices=("float32", "float16", "bfloat16"),
+                   help="KV cache storage for every method (default: the compute dtype)")
     p.add_argument("--coverage-data", default=None, help="drafter data folder: report how much of ar's output "
                    "draft vocabularies of 4,096 and 8,192 tokens built from it cover, per dev set")
     args = p.parse_args()
     enable_compilation_cache()
-    model = load_model(args.model)
+    model = load_model(args.model, cache_dtype=args.kv_cache)
     opts = {k: getattr(args, k) for k in ("depth", "width", "budget", "min_prob")
             if getattr(args, k) is not None}
     runners = []

@@ -208,12 +208,12 @@ def make_target(args: argparse.Namespace) -> Target:
 
     layer_loop = args.layer_loop or default_layer_loop()
     if not args.random_weights:
-        model = load_model(args.model, dtype=args.dtype, layer_loop=layer_loop)
+        model = load_model(args.model, dtype=args.dtype, layer_loop=layer_loop, cache_dtype=args.kv_cache)
         return Target(model.name, model.cfg, model.params, False, model, model.fingerprint)
     from hsdjax.model import init_params, unstack_layers
 
     dtype = args.dtype or default_dtype()
-    cfg = random_config(args).replace(dtype=dtype, scan_layers=layer_loop == "scan")
+    cfg = random_config(args).replace(dtype=dtype, scan_layers=layer_loop == "scan", cache_dtype=args.kv_cache)
     params = init_params(cfg.replace(scan_layers=True), seed=args.seed)
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.dtype(dtype)), params)
     if layer_loop == "unrolled":
@@ -668,6 +668,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--random-weights", action="store_true", help="random params of the model's shapes")
     p.add_argument("--config", help="JSON file of ModelConfig fields (with --random-weights)")
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU/TPU")
+    p.add_argument("--kv-cache", default=None, choices=("float32", "float16", "bfloat16"),
+                   help="KV cache storage (default: the compute dtype)")
     p.add_argument("--layer-loop", choices=("scan", "unrolled"), default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=Path, help="also write the JSON object here")

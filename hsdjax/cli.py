@@ -72,6 +72,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_method: str = "ar") -> N
     p.add_argument("--cpu-matmul", choices=("auto", "on", "off", "float32"), default=None,
                    help="hsdjax's CPU matmul kernel (auto: when built with `hsdjax cpu-matmul build`; "
                         "default: $HSDJAX_CPU_MATMUL or auto)")
+    p.add_argument("--kv-cache", choices=("float32", "float16", "bfloat16"), default=None, dest="cache_dtype",
+                   help="KV cache storage (default: the compute dtype; float16 halves what a long-context "
+                        "step reads, and every method still gives `ar`'s output)")
     add_mesh_args(p)
 
 
@@ -186,7 +189,7 @@ def _log(msg: str) -> None:
 def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, progress=not quiet, mesh=mesh_from_args(args),
-                       cpu_matmul=args.cpu_matmul)
+                       cpu_matmul=args.cpu_matmul, cache_dtype=args.cache_dtype)
     gen = Generator(model, method=args.method, **_method_options(args))
     if not quiet:
         cached = "cached weights" if model.timings.get("cached") else "converted and cached weights"
@@ -349,7 +352,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Plain decoding and speculative methods side by side on one chat prompt, with the check that
     the greedy outputs are identical."""
     model = load_model(args.model, dtype=args.dtype, progress=True, mesh=mesh_from_args(args),
-                       cpu_matmul=args.cpu_matmul)
+                       cpu_matmul=args.cpu_matmul, cache_dtype=args.cache_dtype)
     methods = _demo_methods(model.name, args.method)
     kernel = "hsdjax's CPU matmul kernel" if model.cfg.cpu_matmul else "XLA's matmul"
     _log(f"model {model.name} ({kernel}); prompt: {args.prompt!r}")

@@ -12,6 +12,9 @@ from hsdjax.errors import HsdjaxError
 SUPPORTED_FAMILIES = ("llama", "qwen2")
 
 
+CACHE_DTYPES = (None, "float32", "float16", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer hyper-parameters (hashable, so it can be a static jit argument)."""
@@ -42,6 +45,10 @@ class ModelConfig:
     # Projections and the LM head through hsdjax's CPU matmul kernel (``hsdjax.kernels.cpu_matmul``):
     # weights packed in panels, head packed as ``head_panels``. Set by ``load_model`` on CPU when built.
     cpu_matmul: bool = False
+    # KV cache storage dtype; None stores it in the compute dtype. "float16" on CPU halves the bytes a
+    # long-context step reads (the cache kernel widens it as it reads); keys and values are rounded once
+    # when written, identically for every method, so speculative output still equals `ar`'s.
+    cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
@@ -50,6 +57,8 @@ class ModelConfig:
             )
         if self.attention not in ("auto", "reference", "pallas"):
             raise HsdjaxError(f"attention must be auto, reference or pallas (got {self.attention!r})")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise HsdjaxError(f"cache_dtype must be one of float32, float16, bfloat16 (got {self.cache_dtype!r})")
         if self.num_heads % self.num_kv_heads:
             raise HsdjaxError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -139,7 +139,7 @@ def _pack_for_cpu_kernels(params: Any, cfg: ModelConfig, source: registry.ModelS
 
 def load_model(name_or_path: str | None = None, *, dtype: str | None = None, layer_loop: str | None = None,
                progress: bool = False, mesh: Any = None, fused_projections: bool = False,
-               cpu_matmul: str | None = None) -> LoadedModel:
+               cpu_matmul: str | None = None, cache_dtype: str | None = None) -> LoadedModel:
     """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder.
 
     ``fused_projections``: q/k/v and gate/up as one matmul each (``hsdjax.model.fuse_projections``;
@@ -158,6 +158,10 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     (a Q4_1 / Q8_0 GGUF's) is stored compressed for the kernel (same products, 5-7x fewer bytes to
     stream per step); ``float32`` keeps every weight float32. Default: ``$HSDJAX_CPU_MATMUL``, else
     ``auto``.
+
+    ``cache_dtype``: the KV cache's storage dtype (default: the compute dtype). ``float16`` halves what
+    a long-context step reads; outputs may differ from a float32 cache's (each key and value is rounded
+    once), but every method rounds the same way, so speculative output still equals `ar`'s.
     """
     mesh = sharding.make_mesh(mesh)
     layer_loop = layer_loop or default_layer_loop()
@@ -168,7 +172,7 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     fingerprint = _fingerprint(source)
     cfg, np_params, timings = load_weights(source.path, source.kind, fingerprint, progress=progress)
     dtype = dtype or default_dtype()
-    cfg = cfg.replace(dtype=dtype, scan_layers=layer_loop == "scan")
+    cfg = cfg.replace(dtype=dtype, scan_layers=layer_loop == "scan", cache_dtype=cache_dtype)
     t0 = time.perf_counter()
     as_array = jnp.asarray if mesh is None else np.asarray  # sharded: straight from host to each device
     params = jax.tree_util.tree_map(lambda a: as_array(a, dtype=jnp.dtype(dtype)), np_params)

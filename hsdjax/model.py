@@ -43,8 +43,8 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, size: int, dtype: Any = None) -> KVCache:
-    """An empty cache of ``size`` slots per row."""
-    dtype = dtype or jnp.dtype(cfg.dtype)
+    """An empty cache of ``size`` slots per row (stored in ``cfg.cache_dtype``, else the compute dtype)."""
+    dtype = dtype or jnp.dtype(cfg.cache_dtype or cfg.dtype)
     layer = (batch, cfg.num_kv_heads, size, cfg.head_dim)
     if cfg.scan_layers:
         k = jnp.zeros((cfg.num_layers, *layer), dtype)
@@ -173,6 +173,8 @@ class Block(nn.Module):
         q = apply_rope(q.reshape(b, t, cfg.num_heads, d), cos, sin)
         k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), cos, sin)
         v = v.reshape(b, t, cfg.num_kv_heads, d)
+        if cfg.cache_dtype and cfg.cache_dtype != cfg.dtype:  # the new tokens as the cache will hold them, so
+            k, v = (a.astype(cfg.cache_dtype).astype(a.dtype) for a in (k, v))  # a tree sees what `ar` reads
         attend = tree_attention_cpu if cfg.cpu_matmul else attention_fn(cfg.attention)  # CPU kernels on
         attn = attend(q, cache_k, cache_v, cache_len, k, v, new_mask)
         x = x + dense(attn.reshape(b, t, hq), "wo", hq, e)

@@ -175,7 +175,7 @@ def build(model_name: str | None = None, method: str = "pld", *, dtype: str | No
           max_batch: int = 8, max_queue: int = 64, max_context: int = 2048, rounds: int = 4,
           spec_max_active: int | str | None = "auto", method_options: dict[str, Any] | None = None,
           warmup: bool = True, mesh: Any = None, prefill_chunk: int | None = None, prefix_cache_mb: float = 256.0,
-          cpu_matmul: str | None = None, **app_options: Any) -> tuple[Any, Any]:
+          cpu_matmul: str | None = None, cache_dtype: str | None = None, **app_options: Any) -> tuple[Any, Any]:
     """Load the model (sharded over ``mesh`` when given), create the scheduler (not started) and the
     FastAPI app (``app_options``: ``create_app``'s keyword arguments)."""
     from hsdjax.api import load_model
@@ -188,7 +188,7 @@ def build(model_name: str | None = None, method: str = "pld", *, dtype: str | No
     if max_context < 64:
         raise HsdjaxError(f"--max-context must be at least 64 (got {max_context})")
     spec_max_active = spec_max_active_setting(spec_max_active)
-    model = load_model(model_name, dtype=dtype, mesh=mesh, cpu_matmul=cpu_matmul)
+    model = load_model(model_name, dtype=dtype, mesh=mesh, cpu_matmul=cpu_matmul, cache_dtype=cache_dtype)
     sched = Scheduler(model, method, max_batch=max_batch, max_queue=max_queue, max_context=max_context,
                       rounds=rounds, spec_max_active=spec_max_active, method_options=method_options,
                       metrics=Metrics(), warmup=warmup, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if jax.process_count() > 1:  # every process would have to make the scheduler's calls in lockstep
         raise HsdjaxError("serve runs on one host; --distributed / HSDJAX_COORDINATOR are for generate and bench")
     app, sched = build(args.model, args.method, dtype=args.dtype, cpu_matmul=getattr(args, "cpu_matmul", None),
-                       max_batch=args.max_batch,
+                       cache_dtype=getattr(args, "cache_dtype", None), max_batch=args.max_batch,
                        max_queue=args.max_queue, max_context=args.max_context, rounds=args.rounds,
                        spec_max_active=args.spec_max_active, method_options=options, warmup=not args.no_warmup,
                        mesh=mesh, prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb, api_key=api_key, max_body_bytes=args.max_body_bytes,

@@ -310,7 +310,8 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 // Position-ordered attention over the cache and a pass's new tokens, in one kernel.
 //
 //   q [B, K, R, D] float32, pre-scaled, R = G x T (row g * T + t: query head g of new token t)
-//   cache_k, cache_v [B, K, S, D]; lens [B] int32 (the cached prefix L of each row)
+//   cache_k, cache_v [B, K, S, D] float32 or float16 (two handlers; float16 is widened as it is read);
+//   lens [B] int32 (the cached prefix L of each row)
 //   new_k, new_v [B, K, T, D] float32; anc [B, T, T] int32 (anc[t][e]: the new token at depth e on
 //   token t's path, its own index at e = depth[t]); depth [B, T] int32
 //   -> l [B, K, R], acc [B, K, R, D]: softmax sum and weighted values (output = acc / l)
@@ -319,11 +320,14 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 // L, then its path. Keys are walked by *position* in fixed 256-position chunks whatever their source,
 // so a token's attention is the same chain of operations in a one-token step (where its path is in the
 // cache) and in a T-token tree pass (where it is not): bitwise-equal results, the property that makes
-// speculative output independent of float rounding.
+// speculative output independent of float rounding. With a float16 cache the model rounds the new
+// tokens' keys and values to float16 before the pass (what the cache will hold), and widening is exact,
+// so the property holds there too.
+template <typename T>
 struct TreeProblem {
   const float* q;
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   const float* nk;
   const float* nv;
   const int32_t* anc;
@@ -373,13 +377,22 @@ void TreeRowGeneric(const float* q, const float* const* keys, const float* const
     for (int64_t e = 0; e < d; ++e) acc[e] += scores[j] * vals[j][e];
 }
 
-void RunTreeItem(const TreeProblem& pb, int64_t i) {
+// Keys (or values) of cache positions start .. start + n as float32 rows: the cache itself when it is
+// float32, else widened into `scratch` (exact).
+inline const float* CacheRows(const float* c, int64_t start, int64_t, int64_t d, float*) { return c + start * d; }
+inline const float* CacheRows(const _Float16* c, int64_t start, int64_t n, int64_t d, float* scratch) {
+  for (int64_t i = 0; i < n * d; ++i) scratch[i] = static_cast<float>(c[start * d + i]);
+  return scratch;
+}
+
+template <typename T>
+void RunTreeItem(const TreeProblem<T>& pb, int64_t i) {
   const Item& it = pb.items[i];
   const int64_t b = it.head / pb.kh, g_n = pb.g, t_n = pb.t, d = pb.d, r_n = g_n * t_n;
   const int64_t len = pb.lens[b];
   const float* q = pb.q + it.head * r_n * d;
-  const float* ck = pb.k + it.head * pb.s * d;
-  const float* cv = pb.v + it.head * pb.s * d;
+  const T* ck = pb.k + it.head * pb.s * d;
+  const T* cv = pb.v + it.head * pb.s * d;
   const float* nk = pb.nk + it.head * t_n * d;
   const float* nv = pb.nv + it.head * t_n * d;
   float* m_out = pb.part + i * pb.part_size;
@@ -389,8 +402,8 @@ void RunTreeItem(const TreeProblem& pb, int64_t i) {
     // every row sees all of this chunk, from the cache: the shared-keys path (register-blocked over rows;
     // each row's operations are the ones of the per-token path below, so the bits are the same)
     std::unique_ptr<float[]> all(new float[r_n * kChunk]);
-    const float* k = ck + it.start * d;
-    const float* v = cv + it.start * d;
+    const T* k = ck + it.start * d;
+    const T* v = cv + it.start * d;
     for (int64_t r = 0; r < r_n; ++r) {
       if (d == 64) ScoresRow<4>(q + r * d, k, kChunk, all.get() + r * kChunk);
       else ScoresRow<8>(q + r * d, k, kChunk, all.get() + r * kChunk);
@@ -400,6 +413,10 @@ void RunTreeItem(const TreeProblem& pb, int64_t i) {
     else WeightedValuesRows<8>(all.get(), kChunk, v, kChunk, r_n, acc_out);
     return;
   }
+  const int64_t cached = std::clamp<int64_t>(len - it.start, 0, kChunk);  // chunk positions in the cache
+  std::unique_ptr<float[]> scratch(sizeof(T) == sizeof(float) ? nullptr : new float[2 * cached * d]);
+  const float* ck_rows = CacheRows(ck, it.start, cached, d, scratch.get());
+  const float* cv_rows = CacheRows(cv, it.start, cached, d, scratch.get() + cached * d);
   const float* keys[kChunk];
   const float* vals[kChunk];
   float scores[kChunk];
@@ -420,8 +437,8 @@ void RunTreeItem(const TreeProblem& pb, int64_t i) {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = it.start + j;
       if (pos < len) {
-        keys[j] = ck + pos * d;
-        vals[j] = cv + pos * d;
+        keys[j] = ck_rows + j * d;
+        vals[j] = cv_rows + j * d;
       } else {
         const int64_t u = path[pos - len];
         keys[j] = nk + u * d;
@@ -446,8 +463,9 @@ void RunTreeItem(const TreeProblem& pb, int64_t i) {
   }
 }
 
+template <typename T>
 struct TreeCall {
-  TreeProblem pb;
+  TreeProblem<T> pb;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
@@ -460,8 +478,9 @@ struct TreeCall {
   }
 };
 
-ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
-                         ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
+template <typename T, ffi::DataType DT>
+ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
+                         ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
                          ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::S32> anc, ffi::Buffer<ffi::S32> depth,
                          ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
   auto qd = q.dimensions();
@@ -476,11 +495,11 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   }
   const int64_t b_n = qd[0], kh = qd[1], r_n = qd[2], d = qd[3], s = kd[2], t_n = nd[2];
   if (t_n > kChunk) return ffi::Error::InvalidArgument("hsdjax tree attention: at most 256 new tokens");
-  auto call = std::make_shared<TreeCall>();
-  TreeProblem& pb = call->pb;
+  auto call = std::make_shared<TreeCall<T>>();
+  TreeProblem<T>& pb = call->pb;
   pb.q = q.typed_data();
-  pb.k = cache_k.typed_data();
-  pb.v = cache_v.typed_data();
+  pb.k = reinterpret_cast<const T*>(cache_k.typed_data());
+  pb.v = reinterpret_cast<const T*>(cache_v.typed_data());
   pb.nk = new_k.typed_data();
   pb.nv = new_v.typed_data();
   pb.anc = anc.typed_data();
@@ -557,16 +576,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttentionF16, (CacheAttention<_Float16,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxTreeAttention, TreeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define HSDJAX_TREE_ATTENTION_BINDING(DT)   \
+  ffi::Ffi::Bind()                           \
+      .Ctx<ffi::ThreadPool>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<DT>>()                \
+      .Arg<ffi::Buffer<DT>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Ret<ffi::Buffer<ffi::F32>>()          \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxTreeAttention, (TreeAttention<float, ffi::F32>),
+                              HSDJAX_TREE_ATTENTION_BINDING(ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxTreeAttentionF16, (TreeAttention<_Float16, ffi::F16>),
+                              HSDJAX_TREE_ATTENTION_BINDING(ffi::F16));

@@ -9,8 +9,9 @@ position, the cache below the row's prefix and then the token's own path in the 
 256-position chunks shared with XLA's thread pool: only filled positions cost anything, and a token's
 result is bitwise the same in a one-token step and in a tree pass (its path read from the cache or
 from the pass), so greedy speculation cannot leave `ar` even at exact ties. Longer passes (prompt
-chunks) keep the reference. ``cache_attention`` is the cache-only kernel (float32 or float16 cache)
-that returns the online-softmax state for a caller to merge; kept, tested, for a float16 cache.
+chunks) keep the reference. Both read a float32 or a float16 cache (``ModelConfig.cache_dtype``).
+``cache_attention`` is the cache-only kernel that returns the online-softmax state for a caller to
+merge (not used by the model; tested).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from hsdjax.kernels.cpu_matmul import ATTENTION_F16_TARGET, ATTENTION_TARGET, TREE_ATTENTION_TARGET
+from hsdjax.kernels.cpu_matmul import (ATTENTION_F16_TARGET, ATTENTION_TARGET, TREE_ATTENTION_F16_TARGET,
+                                       TREE_ATTENTION_TARGET)
 from hsdjax.kernels.tree_attention import (NEG_INF, finish_softmax, tree_attention_reference)
 
 MAX_NEW_TOKENS = 64
@@ -64,15 +66,19 @@ def tree_paths(tree_mask: Bool[Array, "B T T"]) -> tuple[Int[Array, "B T T"], In
 def position_ordered_attention(q: Float[Array, "B T H D"], cache_k, cache_v, cache_len, new_k, new_v, tree_mask):
     """Attention of T new tokens over the cache and their paths in one kernel call that walks keys by
     position (``cpu_attention.cc``: a token's result is bitwise the same in a one-token step and a tree
-    pass). Float32 cache only."""
+    pass). A float16 cache is read as it is (widened in the kernel; the model rounds the new tokens' keys
+    and values to float16 first, so the property holds); any other dtype is converted to float32."""
     b, t, h, d = q.shape
     kh = new_k.shape[2]
     g = h // kh
     qg = (q * (d ** -0.5)).reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
     anc, depth = tree_paths(tree_mask)
     shapes = (jax.ShapeDtypeStruct((b, kh, g * t), jnp.float32), jax.ShapeDtypeStruct((b, kh, g * t, d), jnp.float32))
-    call = jax.ffi.ffi_call(TREE_ATTENTION_TARGET, shapes, vmap_method="sequential")
-    l, acc = call(qg.astype(jnp.float32), cache_k.astype(jnp.float32), cache_v.astype(jnp.float32),
+    half = cache_k.dtype == jnp.float16 and cache_v.dtype == jnp.float16
+    cache_dtype = jnp.float16 if half else jnp.float32
+    call = jax.ffi.ffi_call(TREE_ATTENTION_F16_TARGET if half else TREE_ATTENTION_TARGET, shapes,
+                            vmap_method="sequential")
+    l, acc = call(qg.astype(jnp.float32), cache_k.astype(cache_dtype), cache_v.astype(cache_dtype),
                   cache_len.astype(jnp.int32), new_k.transpose(0, 2, 1, 3).astype(jnp.float32),
                   new_v.transpose(0, 2, 1, 3).astype(jnp.float32), anc, depth)
     return finish_softmax(q, l.reshape(b, kh, g, t, 1), acc.reshape(b, kh, g, t, d))

@@ -46,6 +46,7 @@ COMPRESSED_TARGET = "hsdjax_compressed_matmul"
 ATTENTION_TARGET = "hsdjax_cache_attention"
 ATTENTION_F16_TARGET = "hsdjax_cache_attention_f16"  # the same over a float16 KV cache
 TREE_ATTENTION_TARGET = "hsdjax_tree_attention"  # cache and new tokens in position order (cpu_attention.cc)
+TREE_ATTENTION_F16_TARGET = "hsdjax_tree_attention_f16"  # the same over a float16 KV cache
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
 BLOCK_ROWS = {4: 32, 8: 16}  # k per compressed block (see cpu_matmul.cc)
 HEADER = {4: 2 * PANEL * 4, 8: PANEL * 4}  # a block's scales (and offsets), float32
@@ -101,6 +102,8 @@ def load() -> bool:
         jax.ffi.register_ffi_target(ATTENTION_F16_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttentionF16),
                                     platform="cpu")
         jax.ffi.register_ffi_target(TREE_ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxTreeAttention), platform="cpu")
+        jax.ffi.register_ffi_target(TREE_ATTENTION_F16_TARGET, jax.ffi.pycapsule(lib.HsdjaxTreeAttentionF16),
+                                    platform="cpu")
         _state["loaded"] = lib
     return True
 

@@ -138,7 +138,8 @@ def _reference_block(qg, k, v, start, lens, m, l, acc):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
     l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
-    acc = alpha * acc + jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    p = p.astype(jnp.promote_types(v.dtype, qg.dtype))  # a float16 cache under float32 compute: float32
+    acc = alpha * acc + jnp.einsum("bkgts,bksd->bkgtd", p, v, preferred_element_type=jnp.float32)
     return m_new, l, acc
 
 

@@ -270,16 +270,17 @@ def test_cache_attention_rows_do_not_depend_on_each_other(kernel, d, cache):
 
 @settings(max_examples=12, deadline=None)
 @given(b=st.integers(1, 2), t=st.integers(1, 12), kh=st.sampled_from([1, 3]), g=st.sampled_from([1, 3]),
-       d=st.sampled_from([24, 64, 128]), s=st.sampled_from([16, 300, 600]), seed=st.integers(0, 99))
-def test_position_ordered_attention_equals_the_reference(kernel, b, t, kh, g, d, s, seed):
+       d=st.sampled_from([24, 64, 128]), s=st.sampled_from([16, 300, 600]), seed=st.integers(0, 99),
+       cache=st.sampled_from(["float32", "float16"]))
+def test_position_ordered_attention_equals_the_reference(kernel, b, t, kh, g, d, s, seed, cache):
     """Random trees (each node's parent is an earlier node) over random filled lengths (0, chunk
-    edges, more than the bucket): the kernel equals the jnp reference."""
+    edges, more than the bucket) and a float32 or float16 cache: the kernel equals the jnp reference."""
     from hsdjax.kernels.cpu_attention import position_ordered_attention
     from hsdjax.kernels.tree_attention import tree_attention_reference
 
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((b, t, kh * g, d), np.float32))
-    ck, cv = (jnp.asarray(rng.standard_normal((b, kh, s, d), np.float32)) for _ in range(2))
+    ck, cv = (jnp.asarray(rng.standard_normal((b, kh, s, d), np.float32), cache) for _ in range(2))
     nk, nv = (jnp.asarray(rng.standard_normal((b, t, kh, d), np.float32)) for _ in range(2))
     masks = [path_mask([-1] + [int(rng.integers(0, i)) for i in range(1, t)]) for _ in range(b)]
     lens = jnp.asarray(rng.choice([0, 1, 255, 256, 257, s - 1, s], b), jnp.int32)
@@ -310,15 +311,17 @@ def test_tree_attention_through_the_kernel_equals_the_reference(kernel):
 # ------------------------------------------------------------------------------------------ bitwise passes
 
 
-def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel):
+@pytest.mark.parametrize("cache_dtype", [None, "float16"])
+def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel, cache_dtype):
     """SmolLM2 on the CPU kernels: the logits of every node of a tree pass (a chain with a branch, after
     a cached prompt) are bit for bit those of one-token steps along the node's path, so greedy
     speculation picks `ar`'s token even at exact ties (attention walks keys by position whatever their
-    source; norms sum in one fixed order)."""
+    source; norms sum in one fixed order). Also with a float16 KV cache (new keys and values rounded
+    to what the cache will hold before the pass)."""
     from hsdjax.api import load_model
     from hsdjax.model import Transformer, causal_mask, commit, init_cache
 
-    model = load_model("smollm2-135m", cpu_matmul="on")
+    model = load_model("smollm2-135m", cpu_matmul="on", cache_dtype=cache_dtype)
     net, params = Transformer(model.cfg), {"params": model.params}
     rng = np.random.default_rng(0)
     n = 252  # the paths below cross position 256, where the kernel's key chunks meet
