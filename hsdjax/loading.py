@@ -172,6 +172,9 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     fingerprint = _fingerprint(source)
     cfg, np_params, timings = load_weights(source.path, source.kind, fingerprint, progress=progress)
     dtype = dtype or default_dtype()
+    if cache_dtype not in (None, dtype) and jax.default_backend() != "cpu":
+        raise HsdjaxError(f"--kv-cache {cache_dtype} is for CPU runs; on {jax.default_backend()} the cache is "
+                          f"stored in the compute dtype ({dtype}), which the attention kernels read")
     cfg = cfg.replace(dtype=dtype, scan_layers=layer_loop == "scan", cache_dtype=cache_dtype)
     t0 = time.perf_counter()
     as_array = jnp.asarray if mesh is None else np.asarray  # sharded: straight from host to each device

@@ -19,6 +19,8 @@
 #include <memory>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -71,10 +73,23 @@ inline v16 Load(const float* p) {
   return x;
 }
 
-inline v16 Load(const _Float16* p) {  // 16 halves widened to float32 (exact)
+// 16 halves widened to float32 (exact). GCC's generic vector conversion widens lane by lane, so the
+// instructions are asked for by name where the CPU has them.
+inline v16 Load(const _Float16* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  v16 x;
+  __builtin_memcpy(&x, &lo, 32);
+  __builtin_memcpy(reinterpret_cast<char*>(&x) + 32, &hi, 32);
+  return x;
+#else
   h16 x;
   __builtin_memcpy(&x, p, 32);
   return __builtin_convertvector(x, v16);
+#endif
 }
 
 inline void Store(float* p, v16 x) { __builtin_memcpy(p, &x, 64); }
@@ -381,7 +396,10 @@ void TreeRowGeneric(const float* q, const float* const* keys, const float* const
 // float32, else widened into `scratch` (exact).
 inline const float* CacheRows(const float* c, int64_t start, int64_t, int64_t d, float*) { return c + start * d; }
 inline const float* CacheRows(const _Float16* c, int64_t start, int64_t n, int64_t d, float* scratch) {
-  for (int64_t i = 0; i < n * d; ++i) scratch[i] = static_cast<float>(c[start * d + i]);
+  const _Float16* src = c + start * d;
+  int64_t i = 0;
+  for (; i + 16 <= n * d; i += 16) Store(scratch + i, Load(src + i));
+  for (; i < n * d; ++i) scratch[i] = static_cast<float>(src[i]);
   return scratch;
 }
 

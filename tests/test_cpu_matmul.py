@@ -347,3 +347,10 @@ def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel, cache_dtype):
             one = run(tokens[:, node:node + 1], jnp.array([[n + d]]), jnp.ones((1, 1, 1), bool), step_cache)
             step_cache = commit(step_cache, one["k"], one["v"], jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
             np.testing.assert_array_equal(np.asarray(head(one["hidden"]))[0, 0], tree_logits[node])
+    if cache_dtype:  # end to end: the engine keeps a float16 cache and `hsd` still gives `ar`'s tokens
+        from hsdjax.api import Generator
+
+        assert cache.k[0].dtype == jnp.float16
+        prompt = "Write a short story about a lighthouse keeper."
+        ar = Generator(model, "ar").generate(prompt, max_new_tokens=32)[0]
+        assert Generator(model, "hsd").generate(prompt, max_new_tokens=32)[0].tokens == ar.tokens
