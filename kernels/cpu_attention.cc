@@ -245,20 +245,31 @@ void RunItem(const Problem<T>& pb, int64_t i) {
   }
 }
 
-template <typename T>
-struct Call {
-  Problem<T> pb;
+// A problem's items shared between the calling thread and XLA's intra-op pool: each thread takes the
+// next item until none is left; the caller returns when all are done.
+template <typename P, void (*RunOne)(const P&, int64_t)>
+struct PoolCall {
+  P pb;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Run() {
     const int64_t n = static_cast<int64_t>(pb.items.size());
     for (int64_t i; (i = next.fetch_add(1)) < n;) {
-      RunItem(pb, i);
+      RunOne(pb, i);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+template <typename C>
+void RunOnPool(ffi::ThreadPool& pool, const std::shared_ptr<C>& call) {
+  const int64_t n_items = static_cast<int64_t>(call->pb.items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([call] { call->Run(); });
+  call->Run();
+  while (call->done.load(std::memory_order_acquire) < n_items) __builtin_ia32_pause();
+}
 
 template <typename T, ffi::DataType DT>
 ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
@@ -271,7 +282,7 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("hsdjax cache attention: expects q [B, K, R, D], cache [B, K, S, D], lens [B]");
   }
   const int64_t b_n = qd[0], kh = qd[1], r_n = qd[2], d = qd[3], s = kd[2];
-  auto call = std::make_shared<Call<T>>();
+  auto call = std::make_shared<PoolCall<Problem<T>, RunItem<T>>>();
   Problem<T>& pb = call->pb;
   pb.q = q.typed_data();
   pb.k = reinterpret_cast<const T*>(cache_k.typed_data());
@@ -292,11 +303,7 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   pb.part_size = r_n * (2 + d);
   std::vector<float> part(pb.items.size() * pb.part_size);
   pb.part = part.data();
-  const int64_t n_items = static_cast<int64_t>(pb.items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([call] { call->Run(); });
-  call->Run();
-  while (call->done.load(std::memory_order_acquire) < n_items) __builtin_ia32_pause();
+  RunOnPool(pool, call);
 
   // merge each head's chunks in order
   for (int64_t h = 0; h < b_n * kh; ++h) {
@@ -481,21 +488,6 @@ void RunTreeItem(const TreeProblem<T>& pb, int64_t i) {
   }
 }
 
-template <typename T>
-struct TreeCall {
-  TreeProblem<T> pb;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Run() {
-    const int64_t n = static_cast<int64_t>(pb.items.size());
-    for (int64_t i; (i = next.fetch_add(1)) < n;) {
-      RunTreeItem(pb, i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 template <typename T, ffi::DataType DT>
 ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
                          ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
@@ -513,7 +505,7 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   }
   const int64_t b_n = qd[0], kh = qd[1], r_n = qd[2], d = qd[3], s = kd[2], t_n = nd[2];
   if (t_n > kChunk) return ffi::Error::InvalidArgument("hsdjax tree attention: at most 256 new tokens");
-  auto call = std::make_shared<TreeCall<T>>();
+  auto call = std::make_shared<PoolCall<TreeProblem<T>, RunTreeItem<T>>>();
   TreeProblem<T>& pb = call->pb;
   pb.q = q.typed_data();
   pb.k = reinterpret_cast<const T*>(cache_k.typed_data());
@@ -543,11 +535,7 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   pb.part_size = r_n * (2 + d);
   std::vector<float> part(pb.items.size() * pb.part_size);
   pb.part = part.data();
-  const int64_t n_items = static_cast<int64_t>(pb.items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([call] { call->Run(); });
-  call->Run();
-  while (call->done.load(std::memory_order_acquire) < n_items) __builtin_ia32_pause();
+  RunOnPool(pool, call);
 
   for (int64_t h = 0; h < b_n * kh; ++h) {  // merge each row's chunks in position order
     for (int64_t r = 0; r < r_n; ++r) {
