@@ -145,3 +145,51 @@ def test_training_with_feature_noise_learns_and_is_reproducible(recorded, tmp_pa
     clean = train(fc, data, frozen_np, vocab_ids, dict(opts, feature_noise=0.0), tmp_path / "c", progress=False,
                   log=lambda m: None)
     assert not np.allclose(flat(clean["params"]), flat(whole["params"]))  # the noise reached the training
+
+
+def test_trained_head_correction_is_learned_saved_and_folded_into_the_head(recorded, tmp_path):
+    """``head_delta``: training learns a correction to the frozen head rows; the checkpoint stores it and
+    loading adds it to the rows once (the drafter then runs as fast as with a frozen head, and stays
+    lossless)."""
+    import ml_dtypes
+
+    from hsdjax.drafters.hsd import HSDDrafter
+
+    params, layers, prompts, data = recorded
+    fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
+                       rope_theta=CFG.rope_theta, head_delta=True)
+    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
+    frozen = frozen_from_params(params, CFG)
+    rows = np.asarray(frozen["head_full"])[vocab_ids]
+    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": rows, "final_norm": np.asarray(frozen["final_norm"])}
+    opts = dict(window=32, batch=8, rollout=2, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=24)
+    out = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=lambda m: None)
+    delta = np.asarray(out["params"]["head_delta"])
+    assert delta.shape == rows.shape and np.abs(delta).max() > 1e-3  # it learned a correction
+    assert out["history"][-1]["loss"] < out["history"][0]["loss"]
+
+    target = types.SimpleNamespace(name="tiny", fingerprint="f" * 64, params=params, cfg=CFG)
+    path = save_drafter(tmp_path / "d.safetensors", fc, out["params"], vocab_ids, layers[:-1], target, {})
+    cfg2, layers2, dparams, _ = load_drafter(path, target, "hsd")
+    assert cfg2.head_delta and "head_delta" not in dparams["net"]
+    stored = delta.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(dparams["head"]), rows + stored, rtol=1e-6, atol=1e-6)
+    drafter = HSDDrafter(cfg=cfg2, layers=layers2, depth=3, width=2, budget=4)
+    got = run_engine(CFG, params, prompts[:3], 32, drafter=drafter, dparams=dparams)
+    assert got == run_engine(CFG, params, prompts[:3], 32)
+
+
+def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
+    import json
+
+    from hsdjax.train.pipeline import read_config
+
+    good = {"target": "smollm2-135m", "method": "hsd", "data": {}, "drafter": {"head_delta": True},
+            "train": {"rollout": 6}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(good))
+    assert read_config(path)["drafter"]["head_delta"] is True
+    for section, key in (("drafter", "head_detla"), ("train", "rolout")):
+        path.write_text(json.dumps({**good, section: {key: 1}}))
+        with pytest.raises(HsdjaxError, match=f"unknown {section} setting.*'{key}'.*known:"):
+            read_config(path)

@@ -20,7 +20,7 @@ import numpy as np
 
 from hsdjax.errors import HsdjaxError
 
-DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2}
+DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2, "head_delta": False}
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -36,6 +36,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
             raise HsdjaxError(f"{path}: missing {key!r}")
     if cfg["method"] not in ("hsd", "eagle"):
         raise HsdjaxError(f"{path}: method must be hsd or eagle (got {cfg['method']!r})")
+    from hsdjax.train.train import TRAIN_DEFAULTS
+
+    for section, known in (("drafter", DRAFTER_DEFAULTS), ("train", TRAIN_DEFAULTS)):
+        unknown = sorted(set(cfg.get(section, {})) - set(known))
+        if unknown:  # a misspelt setting would otherwise be silently ignored
+            raise HsdjaxError(f"{path}: unknown {section} setting(s) {', '.join(map(repr, unknown))}; known: "
+                              f"{', '.join(sorted(known))}")
     cfg["name"] = cfg.get("name", path.stem)
     return cfg
 
@@ -99,7 +106,8 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
     mc = model.cfg
     fc = FeatureConfig(method=cfg["method"], hidden=mc.hidden_size, heads=mc.num_heads, kv_heads=mc.num_kv_heads,
                        head_dim=mc.head_dim, mlp=int(dcfg["mlp"]), vocab=int(dcfg["vocab"]), fused=len(layers) - 1,
-                       injection=dcfg["injection"], inject_tokens=int(dcfg["inject_tokens"]), eps=mc.rms_norm_eps,
+                       injection=dcfg["injection"], inject_tokens=int(dcfg["inject_tokens"]),
+                       head_delta=bool(dcfg["head_delta"]), eps=mc.rms_norm_eps,
                        rope_theta=mc.rope_theta)
     vocab_ids = draft_vocab(data["top_ids"], fc.vocab, mc.vocab_size)
     coverage = float(np.isin(data["top_ids"][:, 0], vocab_ids).mean())

@@ -35,7 +35,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, init_net
+from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, draft_head, init_net
 from hsdjax.errors import HsdjaxError
 from hsdjax.model import NEG_INF, rms_norm
 
@@ -92,6 +92,7 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
     """Loss of one batch of windows and per-step metrics (accuracy of the draft's top-1)."""
     net = FeatureDrafterNet(cfg)
     call = lambda method, *a: net.apply({"params": params}, *a, method=method)  # noqa: E731
+    head = draft_head(frozen["head"], params)
     tokens, doc, weight = batch["tokens"], batch["doc"], batch["weight"]
     b, t = tokens.shape
     states = batch["states"].astype(jnp.float32)  # [B, T, F+1, E]
@@ -121,9 +122,9 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
         w = _shift(weight, s) * ok
         if cfg.method == "hsd":
             path = jnp.stack([_shift(tokens, s), _shift(tokens, s - 1)], axis=-1)[..., : cfg.inject_tokens]
-            logits = call(FeatureDrafterNet.logits, call(FeatureDrafterNet.inject, out, emb(path)), frozen["head"])
+            logits = call(FeatureDrafterNet.logits, call(FeatureDrafterNet.inject, out, emb(path)), head)
         else:
-            logits = call(FeatureDrafterNet.logits, out, frozen["head"])
+            logits = call(FeatureDrafterNet.logits, out, head)
         logp = jax.nn.log_softmax(logits, axis=-1)
         top_draft = _shift(batch["top_draft"], s, -1)  # [B, T, k] draft-vocab index or -1
         top_p = jax.nn.softmax(_shift(batch["top_logits"], s).astype(jnp.float32), axis=-1)

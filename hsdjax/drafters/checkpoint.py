@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from hsdjax.drafters.feature import FeatureConfig, pack_for_cpu
+from hsdjax.drafters.feature import HEAD_DELTA, FeatureConfig, draft_head, pack_for_cpu
 from hsdjax.errors import HsdjaxError
 from hsdjax.weights import flatten, unflatten
 
@@ -94,10 +94,14 @@ def frozen_from_params(params: dict[str, Any], cfg: Any) -> dict[str, Any]:
 
 
 def bind(net: Any, vocab_ids: np.ndarray, params: dict[str, Any], cfg: Any) -> dict[str, Any]:
-    """``dparams`` of a feature drafter: its weights plus the target's frozen embeddings and head."""
+    """``dparams`` of a feature drafter: its weights plus the target's frozen embeddings and head (with
+    the checkpoint's trained head correction added, when it has one)."""
     frozen = frozen_from_params(params, cfg)
     ids = jnp.asarray(vocab_ids, jnp.int32)
-    net, head = jax.tree_util.tree_map(jnp.asarray, net), jnp.take(frozen["head_full"], ids, axis=0)
+    net = jax.tree_util.tree_map(jnp.asarray, net)
+    rows = jnp.take(frozen["head_full"], ids, axis=0)
+    head = draft_head(rows.astype(jnp.float32), net).astype(rows.dtype)
+    net = {k: v for k, v in net.items() if k != HEAD_DELTA}
     if getattr(cfg, "cpu_matmul", False):  # the target runs on the CPU kernel: so does the drafter
         net, head = pack_for_cpu(net, head)
     return {"net": net, "embed": frozen["embed"], "head": head, "vocab_ids": ids}

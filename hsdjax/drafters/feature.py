@@ -14,7 +14,9 @@ how tokens enter:
   token])``, so every tree node needs its own pass of the layer.
 
 The head is the target's frozen LM head restricted to a draft vocabulary (``vocab_ids``), applied
-after a learned RMS norm. Target embeddings are frozen inputs, never drafter parameters.
+after a learned RMS norm; optionally (``head_delta``) training also learns a correction to those rows,
+stored in the checkpoint and added to them once when the drafter is loaded, so it costs nothing per
+round. Target embeddings are frozen inputs, never drafter parameters.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class FeatureConfig:
     fused: int = 3  # number of target layers fused at the input
     injection: str = "mlp"  # hsd: "mlp" | "film"
     inject_tokens: int = 2  # hsd: embeddings of the path's last tokens given to g
+    head_delta: bool = False  # a trained [V, E] correction to the frozen head rows (``HEAD_DELTA``)
     eps: float = 1e-5
     rope_theta: float = 10000.0
 
@@ -207,14 +210,25 @@ class FeatureDrafterNet(nn.Module):
         return out
 
 
+HEAD_DELTA = "head_delta"  # the params entry of the trained head correction (outside the Flax module)
+
+
 def init_net(cfg: FeatureConfig, seed: int = 0) -> dict[str, Any]:
-    """Fresh drafter parameters."""
+    """Fresh drafter parameters (with a zero head correction when ``cfg.head_delta``)."""
     b, t = 1, 2
     n_tok = cfg.inject_tokens if cfg.method == "hsd" else 1
     variables = FeatureDrafterNet(cfg).init(
         jax.random.PRNGKey(seed), jnp.zeros((b, t, cfg.fused, cfg.hidden)), jnp.zeros((b, t, n_tok, cfg.hidden)),
         jnp.zeros((b, t), jnp.int32))
-    return jax.tree_util.tree_map(lambda a: a, dict(variables["params"]))
+    params = jax.tree_util.tree_map(lambda a: a, dict(variables["params"]))
+    if cfg.head_delta:
+        params[HEAD_DELTA] = jnp.zeros((cfg.vocab, cfg.hidden), jnp.float32)
+    return params
+
+
+def draft_head(frozen_rows: Float[Array, "V E"], params: dict[str, Any]) -> Float[Array, "V E"]:
+    """The head rows a drafter uses: the target's frozen rows plus the trained correction, if any."""
+    return frozen_rows + params[HEAD_DELTA] if HEAD_DELTA in params else frozen_rows
 
 
 # ---------------------------------------------------------------------------------------------------
