@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from hsdjax.drafters.checkpoint import bind
 from hsdjax.drafters.eagle import EagleDrafter
-from hsdjax.drafters.feature import FeatureConfig, init_net
+from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, init_net
 from hsdjax.drafters.hsd import HSDDrafter
 from hsdjax.model import init_params
 from hsdjax.train.datagen import fused_layer_indices
@@ -122,6 +122,12 @@ def test_hsd_policies_are_lossless_and_reuse_counts(target, policy):
     if policy == "reuse":
         assert np.all(s.drafter_states < rounds * drafter.depth)  # kept states were not recomputed
         assert np.any(s.reused_states > 0)
+    # the root of the kept chain carries the keys of the fresh state that replaced the old guess
+    d = state.draft
+    _, k0, v0 = drafter._net().apply({"params": dparams["net"]}, d.chain[:, :1], d.ctx["len"][:, None],
+                                     method=FeatureDrafterNet.project)
+    np.testing.assert_allclose(np.asarray(d.chain_k[:, 0]), np.asarray(k0[:, 0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(d.chain_v[:, 0]), np.asarray(v0[:, 0]), rtol=1e-5, atol=1e-6)
 
 
 def test_eagle_counts_every_processed_node(target):

@@ -9,7 +9,9 @@ nodes of a depth in one batched call, so the chain runs once per depth, not per 
 After verification accepts ``a`` drafts, the verified states are ingested (one layer pass, whose
 last output is a fresh guess for the new root position) and the chain is shifted by ``a + 1``: its
 states beyond the accepted path are still guesses for the positions that follow, so the next round
-reuses them and only extends the chain by the missing depths. The refresh policy decides when to
+reuses them and only extends the chain by the missing depths (the fresh root state's keys replace
+those of the old guess it stands in for, as in training, where each rollout step attends to the keys
+of the step before). The refresh policy decides when to
 throw the kept states away instead: ``reuse`` (never), ``refresh`` (always), or ``minN`` (when
 fewer than N kept states remain).
 """
@@ -128,6 +130,12 @@ class HSDDrafter(FeatureDrafter):
         cost = DraftCost(passes=steps + 1, states=steps + 1, reused=reused, macs=macs.astype(jnp.float32))
         return tree, st.replace(fresh=jnp.zeros_like(st.fresh)), cost
 
+    def observe_macs(self, gen_before, n_path):
+        """The ingest, plus the root state's key/value projection when the chain is kept (depth > 1)."""
+        c = self.cfg
+        rekey = (self.depth > 1) * c.hidden * 2 * c.kv_heads * c.head_dim
+        return super().observe_macs(gen_before, n_path) + jnp.where(gen_before.done, 0.0, float(rekey))
+
     def observe(self, dparams, state: HSDState, gen_before, gen_after, verdict, path_states):
         net, p = self._net(), dparams["net"]
         active = ~gen_before.done
@@ -146,9 +154,13 @@ class HSDDrafter(FeatureDrafter):
             n_chain = jnp.ones_like(n_chain)
         elif self.policy.startswith("min"):
             n_chain = jnp.where(kept - 1 >= int(self.policy[3:]), n_chain, 1)
-        new = HSDState(ctx=ctx, chain=take(state.chain).at[:, 0].set(fresh_state), chain_k=take(state.chain_k),
-                       chain_v=take(state.chain_v), n_chain=n_chain,
-                       fresh=jnp.zeros_like(state.fresh).at[:, 0].set(1))
+        chain_k, chain_v = take(state.chain_k), take(state.chain_v)
+        if self.depth > 1:  # kept chain states are extended from the fresh root state: give it its own keys
+            _, k0, v0 = net.apply({"params": p}, fresh_state[:, None], ctx["len"][:, None],
+                                  method=FeatureDrafterNet.project)
+            chain_k, chain_v = chain_k.at[:, 0].set(k0[:, 0]), chain_v.at[:, 0].set(v0[:, 0])
+        new = HSDState(ctx=ctx, chain=take(state.chain).at[:, 0].set(fresh_state), chain_k=chain_k,
+                       chain_v=chain_v, n_chain=n_chain, fresh=jnp.zeros_like(state.fresh).at[:, 0].set(1))
         # finished rows ingest nothing (count 0): only their small chain fields need restoring
         keep_old = lambda a, b: jnp.where(active.reshape(-1, *([1] * (a.ndim - 1))), b, a)  # noqa: E731
         chain = jax.tree_util.tree_map(keep_old, state.replace(ctx=()), new.replace(ctx=()))
