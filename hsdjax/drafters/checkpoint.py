@@ -100,7 +100,7 @@ def bind(net: Any, vocab_ids: np.ndarray, params: dict[str, Any], cfg: Any) -> d
     ids = jnp.asarray(vocab_ids, jnp.int32)
     net = jax.tree_util.tree_map(jnp.asarray, net)
     rows = jnp.take(frozen["head_full"], ids, axis=0)
-    head = draft_head(rows.astype(jnp.float32), net).astype(rows.dtype)
+    head = draft_head(rows, net).astype(rows.dtype)
     net = {k: v for k, v in net.items() if k != HEAD_DELTA}
     if getattr(cfg, "cpu_matmul", False):  # the target runs on the CPU kernel: so does the drafter
         net, head = pack_for_cpu(net, head)
