@@ -97,6 +97,58 @@ def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
         load_drafter(path, target, "eagle" if method == "hsd" else "hsd")
 
 
+@pytest.mark.parametrize("method", ["hsd", "eagle"])
+def test_a_narrow_drafter_trains_loads_counts_its_work_and_is_lossless(recorded, tmp_path, method):
+    """``width`` < the target's E: the layer runs W wide, ``lift`` maps its states to E for the head
+    and the regression; fewer parameters, the work counter equals its matrices, still lossless."""
+    from hsdjax.drafters.eagle import EagleDrafter
+    from hsdjax.drafters.feature import init_net
+    from hsdjax.drafters.hsd import HSDDrafter
+
+    params, layers, prompts, data = recorded
+    wide = FeatureConfig(method=method, hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
+                         rope_theta=CFG.rope_theta)
+    fc = FeatureConfig(**{**wide.to_json(), "width": 16})
+    count = lambda p: sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(p))  # noqa: E731
+    net = init_net(fc)
+    assert net["lift"].shape == (16, CFG.hidden_size) and net["layer"]["wq"].shape == (16, 16)
+    assert count(net) < 0.6 * count(init_net(wide))
+    cls = HSDDrafter if method == "hsd" else EagleDrafter
+    d = cls(cfg=fc, layers=layers[:-1])
+    # one token's work (no attention keys) is exactly the multiply-adds of its matrices and the head
+    matrices = sum(int(np.prod(a.shape)) for path, a in jax.tree_util.tree_leaves_with_path(net)
+                   if a.ndim == 2 and not path[-1].key.endswith("norm"))
+    per_token = d._input_macs() + d._layer_macs(0) + d._head_macs() + (d._inject_macs() if method == "hsd" else 0)
+    assert per_token == matrices + fc.vocab * fc.hidden
+
+    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
+    frozen = frozen_from_params(params, CFG)
+    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
+                 "final_norm": np.asarray(frozen["final_norm"])}
+    opts = dict(window=32, batch=8, rollout=3, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=30)
+    out = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=lambda m: None)
+    assert out["history"][-1]["loss"] < out["history"][0]["loss"]
+    target = types.SimpleNamespace(name="tiny", fingerprint="f" * 64, params=params, cfg=CFG)
+    path = save_drafter(tmp_path / "d.safetensors", fc, out["params"], vocab_ids, layers[:-1], target, {})
+    cfg2, layers2, dparams, _ = load_drafter(path, target, method)
+    assert cfg2 == fc and cfg2.state_width == 16
+    drafter = cls(cfg=cfg2, layers=layers2, depth=3, width=2, budget=4)
+    got, state = run_engine(CFG, params, prompts[:3], 32, drafter=drafter, dparams=dparams, return_state=True)
+    assert got == run_engine(CFG, params, prompts[:3], 32)
+    assert np.asarray(state.stats.accepted_drafts).sum() > 0
+
+
+def test_drafter_width_is_checked_against_the_target_before_any_work():
+    from hsdjax.train.pipeline import drafter_heads
+
+    assert drafter_heads(CFG, 0) == (CFG.num_heads, CFG.num_kv_heads)
+    assert drafter_heads(CFG, 16) == (2, 2)  # the target's head size; its kv grouping where it divides
+    assert drafter_heads(CFG, 24) == (3, 1)
+    for bad in (20, 56, -8):
+        with pytest.raises(HsdjaxError, match="multiple of the target's head size 8 and at most its hidden size 48"):
+            drafter_heads(CFG, bad)
+
+
 def test_window_data_views_the_stream_without_copying():
     """Train and held-out documents are slices of the flat stream: the big state array is shared, not copied."""
     doc = np.repeat(np.arange(6, dtype=np.int32), [3, 1, 4, 2, 5, 2])

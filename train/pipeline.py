@@ -20,7 +20,21 @@ import numpy as np
 
 from hsdjax.errors import HsdjaxError
 
-DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2, "head_delta": False}
+DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2, "head_delta": False,
+                    "width": 0}
+
+
+def drafter_heads(mc: Any, width: int) -> tuple[int, int]:
+    """(query heads, key/value heads) of a drafter layer ``width`` wide (0: the target's width): the
+    target's head size, as many heads as fit, and the target's key/value grouping where it divides."""
+    if not width or width == mc.hidden_size:
+        return mc.num_heads, mc.num_kv_heads
+    if width < 0 or width > mc.hidden_size or width % mc.head_dim:
+        raise HsdjaxError(f"drafter width {width} must be a multiple of the target's head size {mc.head_dim} "
+                          f"and at most its hidden size {mc.hidden_size}")
+    heads = width // mc.head_dim
+    kv = mc.num_kv_heads if heads % mc.num_kv_heads == 0 else 1
+    return heads, kv
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -75,6 +89,7 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
     if token_budget is not None:
         cfg["data"]["token_budget"] = token_budget
     model = load_model(cfg["target"], mesh=mesh)
+    drafter_heads(model.cfg, int({**DRAFTER_DEFAULTS, **cfg.get("drafter", {})}["width"]))  # before the data, too
     folder = data_folder(model, cfg["data"])
     summary: dict[str, Any] = {"data": str(folder)}
     if stage in ("data", "all"):
@@ -104,7 +119,9 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
     layers = tuple(man["layers"])
     dcfg = {**DRAFTER_DEFAULTS, **cfg.get("drafter", {})}
     mc = model.cfg
-    fc = FeatureConfig(method=cfg["method"], hidden=mc.hidden_size, heads=mc.num_heads, kv_heads=mc.num_kv_heads,
+    heads, kv_heads = drafter_heads(mc, int(dcfg["width"]))
+    width = int(dcfg["width"]) if int(dcfg["width"]) != mc.hidden_size else 0
+    fc = FeatureConfig(method=cfg["method"], hidden=mc.hidden_size, heads=heads, kv_heads=kv_heads, width=width,
                        head_dim=mc.head_dim, mlp=int(dcfg["mlp"]), vocab=int(dcfg["vocab"]), fused=len(layers) - 1,
                        injection=dcfg["injection"], inject_tokens=int(dcfg["inject_tokens"]),
                        head_delta=bool(dcfg["head_delta"]), eps=mc.rms_norm_eps,

@@ -131,7 +131,7 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
         in_vocab = top_draft >= 0
         picked = jnp.take_along_axis(logp, jnp.maximum(top_draft, 0), axis=-1)
         ce = -jnp.sum(jnp.where(in_vocab, top_p * picked, 0.0), axis=-1)
-        reg = jnp.mean(optax.huber_loss(out, _shift(target_h, s)), axis=-1)
+        reg = jnp.mean(optax.huber_loss(call(FeatureDrafterNet.to_target, out), _shift(target_h, s)), axis=-1)
         denom = jnp.maximum(jnp.sum(w), 1.0)
         step_loss = jnp.sum(w * (opts["ce_weight"] * ce + opts["reg_weight"] * reg)) / denom
         total = total + opts["step_decay"] ** (s - 1) * step_loss

@@ -25,7 +25,7 @@ from hsdjax.drafters.feature import FeatureDrafter, FeatureDrafterNet, attend_an
 @struct.dataclass
 class EagleState:
     ctx: dict[str, Array]
-    root_out: Float[Array, "B E"]  # the layer's output at the last verified position
+    root_out: Float[Array, "B W"]  # the layer's output at the last verified position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ class EagleDrafter(FeatureDrafter):
         tree = self.graft_lookup(tree, gen)
         n = jnp.full((b,), depth, jnp.int32)  # D-1 frontier passes + the ingest after verification
         frontier = (depth - 1) * k  # nodes the layer processes (tree attention over their ancestors too)
-        per_node = 2 * c.hidden * c.hidden + self._layer_macs(gen.seq_len.astype(jnp.float32) + depth)
+        per_node = (c.state_width + c.hidden) * c.state_width + self._layer_macs(gen.seq_len.astype(jnp.float32) + depth)
         macs = frontier * per_node + (1 + frontier) * self._head_macs()
         cost = DraftCost(passes=n, states=1 + frontier * jnp.ones((b,), jnp.int32), reused=jnp.zeros_like(n),
                          macs=macs.astype(jnp.float32))

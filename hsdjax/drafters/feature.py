@@ -55,8 +55,18 @@ class FeatureConfig:
     injection: str = "mlp"  # hsd: "mlp" | "film"
     inject_tokens: int = 2  # hsd: embeddings of the path's last tokens given to g
     head_delta: bool = False  # a trained [V, E] correction to the frozen head rows (``HEAD_DELTA``)
+    width: int = 0  # the drafter's own width W (0: the target's E); W < E adds ``lift`` [W, E] before the head
     eps: float = 1e-5
     rope_theta: float = 10000.0
+
+    @property
+    def state_width(self) -> int:
+        """W: the width of the drafter's layer and of its predicted states."""
+        return self.width or self.hidden
+
+    @property
+    def narrow(self) -> bool:
+        return self.state_width != self.hidden
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,7 +80,8 @@ def _init(scale: float = 0.02):
 # stored as float32 panels ``[N / 32, K, 32]`` (``pack_for_cpu``) and multiplied by the kernel: the
 # drafter's small-M products then run at the kernel's speed instead of XLA's (same values up to the
 # order of additions; the drafter's numbers never change the output, only how much of it is accepted).
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fuse", "fc", "g_in", "g_out", "g_scale", "g_shift")
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fuse", "fc", "g_in", "g_out", "g_scale", "g_shift",
+            "lift")
 
 
 def matmul(x: Float[Array, "... K"], w: Any) -> Float[Array, "... N"]:
@@ -104,7 +115,7 @@ class DraftLayer(nn.Module):
 
     def setup(self):
         c = self.cfg
-        e, h, k, d = c.hidden, c.heads, c.kv_heads, c.head_dim
+        e, h, k, d = c.state_width, c.heads, c.kv_heads, c.head_dim
         self.attn_norm = self.param("attn_norm", nn.initializers.ones, (e,))
         self.mlp_norm = self.param("mlp_norm", nn.initializers.ones, (e,))
         self.wq = _matrix(self, "wq", _init(), (e, h * d))
@@ -115,7 +126,7 @@ class DraftLayer(nn.Module):
         self.w_up = _matrix(self, "w_up", _init(), (e, c.mlp))
         self.w_down = _matrix(self, "w_down", _init(0.02 / math.sqrt(2)), (c.mlp, e))
 
-    def project(self, x: Float[Array, "B T E"], positions: Int[Array, "B T"]):
+    def project(self, x: Float[Array, "B T W"], positions: Int[Array, "B T"]):
         """Queries [B, T, H, D], keys and values [B, T, K, D] (RoPE applied)."""
         c = self.cfg
         b, t, _ = x.shape
@@ -126,7 +137,7 @@ class DraftLayer(nn.Module):
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def finish(self, x: Float[Array, "B T E"], attn: Float[Array, "B T H D"]) -> Float[Array, "B T E"]:
+    def finish(self, x: Float[Array, "B T W"], attn: Float[Array, "B T H D"]) -> Float[Array, "B T W"]:
         b, t = x.shape[:2]
         x = x + matmul(attn.reshape(b, t, -1), self.wo)
         y = rms_norm(x, self.mlp_norm, self.cfg.eps)
@@ -144,27 +155,28 @@ class FeatureDrafterNet(nn.Module):
 
     def setup(self):
         c = self.cfg
-        e = c.hidden
+        e, w = c.hidden, c.state_width  # target states and token embeddings are E wide; the drafter's own W
         self.fuse_norm = self.param("fuse_norm", nn.initializers.ones, (c.fused, e))
-        self.fuse = _matrix(self, "fuse", _init(), (c.fused * e, e))
+        self.fuse = _matrix(self, "fuse", _init(), (c.fused * e, w))
         self.emb_norm = self.param("emb_norm", nn.initializers.ones, (e,))
         self.out_norm = self.param("out_norm", nn.initializers.ones, (e,))
+        if c.narrow:
+            self.lift = _matrix(self, "lift", _init(), (w, e))
         self.layer = DraftLayer(c)
         if c.method == "eagle":
-            self.fc = _matrix(self, "fc", _init(), (2 * e, e))
+            self.fc = _matrix(self, "fc", _init(), (w + e, w))
         elif c.injection == "mlp":
-            width = (1 + c.inject_tokens) * e
-            self.g_in = _matrix(self, "g_in", _init(), (width, e))
-            self.g_out = _matrix(self, "g_out", _init(0.01), (e, e))
+            self.g_in = _matrix(self, "g_in", _init(), (w + c.inject_tokens * e, w))
+            self.g_out = _matrix(self, "g_out", _init(0.01), (w, w))
         elif c.injection == "film":
             width = c.inject_tokens * e
-            self.g_scale = _matrix(self, "g_scale", _init(0.01), (width, e))
-            self.g_shift = _matrix(self, "g_shift", _init(0.01), (width, e))
+            self.g_scale = _matrix(self, "g_scale", _init(0.01), (width, w))
+            self.g_shift = _matrix(self, "g_shift", _init(0.01), (width, w))
         else:
             raise ValueError(f"unknown injection {c.injection!r}")
 
     # -- inputs
-    def fuse_states(self, states: Float[Array, "... F E"]) -> Float[Array, "... E"]:
+    def fuse_states(self, states: Float[Array, "... F E"]) -> Float[Array, "... W"]:
         """Fused target states (each layer RMS-normed, concatenated, projected)."""
         y = rms_norm(states, self.fuse_norm, self.cfg.eps)
         return matmul(y.reshape(*y.shape[:-2], -1), self.fuse)
@@ -172,7 +184,7 @@ class FeatureDrafterNet(nn.Module):
     def embed(self, embed_table: Float[Array, "V E"], tokens: Int[Array, "..."]) -> Float[Array, "... E"]:
         return rms_norm(jnp.take(embed_table, tokens, axis=0), self.emb_norm, self.cfg.eps)
 
-    def eagle_input(self, feature: Float[Array, "... E"], token_emb: Float[Array, "... E"]) -> Float[Array, "... E"]:
+    def eagle_input(self, feature: Float[Array, "... W"], token_emb: Float[Array, "... E"]) -> Float[Array, "... W"]:
         return matmul(jnp.concatenate([feature, token_emb], axis=-1), self.fc)
 
     # -- the layer
@@ -183,18 +195,22 @@ class FeatureDrafterNet(nn.Module):
         return self.layer.finish(x, attn)
 
     # -- outputs
-    def inject(self, state: Float[Array, "... E"], token_embs: Float[Array, "... N E"]) -> Float[Array, "... E"]:
+    def inject(self, state: Float[Array, "... W"], token_embs: Float[Array, "... N E"]) -> Float[Array, "... W"]:
         """``g``: a predicted state plus the embeddings of the path's last tokens (newest first)."""
         c = self.cfg
         flat = token_embs.reshape(*token_embs.shape[:-2], -1)
         if c.injection == "mlp":
-            y = jnp.concatenate([rms_norm(state, jnp.ones_like(self.out_norm), c.eps), flat], axis=-1)
+            y = jnp.concatenate([rms_norm(state, jnp.ones((state.shape[-1],), state.dtype), c.eps), flat], axis=-1)
             return state + matmul(jax.nn.silu(matmul(y, self.g_in)), self.g_out)
         return state * (1 + jnp.tanh(matmul(flat, self.g_scale))) + matmul(flat, self.g_shift)
 
-    def logits(self, state: Float[Array, "... E"], head: Any) -> Float[Array, "... V"]:
+    def to_target(self, state: Float[Array, "... W"]) -> Float[Array, "... E"]:
+        """A drafter state in the target's width (``lift``; the state itself when W = E)."""
+        return matmul(state, self.lift) if self.cfg.narrow else state
+
+    def logits(self, state: Float[Array, "... W"], head: Any) -> Float[Array, "... V"]:
         """Draft-vocabulary logits through the target's frozen head rows."""
-        y = rms_norm(state, self.out_norm, self.cfg.eps)
+        y = rms_norm(self.to_target(state), self.out_norm, self.cfg.eps)
         if head.ndim == 3:  # the panels of head.T (``pack_for_cpu``)
             return panel_matmul(y, head)
         return jnp.einsum("...e,ve->...v", y, head, preferred_element_type=jnp.float32)
@@ -207,7 +223,7 @@ class FeatureDrafterNet(nn.Module):
         out = self.finish(x, q)
         if self.cfg.method == "hsd":
             out = self.inject(out, tokens_emb)
-        return out
+        return self.to_target(out)
 
 
 HEAD_DELTA = "head_delta"  # the params entry of the trained head correction (outside the Flax module)
@@ -331,22 +347,26 @@ class FeatureDrafter(Drafter):
     # -- multiply-adds of the pieces (the honest cost counter: DraftCost.macs)
     def _layer_macs(self, keys: Any) -> Any:
         c = self.cfg
-        return layer_macs(c.hidden, c.heads, c.kv_heads, c.head_dim, c.mlp, keys)
+        return layer_macs(c.state_width, c.heads, c.kv_heads, c.head_dim, c.mlp, keys)
 
     def _head_macs(self) -> int:
-        return self.cfg.hidden * self.cfg.vocab
+        """The head over the draft vocabulary (after ``lift`` when the drafter is narrow)."""
+        c = self.cfg
+        return c.hidden * c.vocab + (c.state_width * c.hidden if c.narrow else 0)
 
     def _inject_macs(self) -> int:
         """``g`` for one node (``hsd``)."""
         c = self.cfg
+        w, e = c.state_width, c.hidden
         if c.injection == "mlp":
-            return (1 + c.inject_tokens) * c.hidden * c.hidden + c.hidden * c.hidden
-        return 2 * c.inject_tokens * c.hidden * c.hidden
+            return (w + c.inject_tokens * e) * w + w * w
+        return 2 * c.inject_tokens * e * w
 
     def _input_macs(self) -> int:
         """Fusing the target states of one position (``eagle`` also mixes in a token embedding)."""
         c = self.cfg
-        return c.fused * c.hidden * c.hidden + (2 * c.hidden * c.hidden if c.method == "eagle" else 0)
+        w, e = c.state_width, c.hidden
+        return c.fused * e * w + ((w + e) * w if c.method == "eagle" else 0)
 
     def observe_macs(self, gen_before, n_path):
         """The ingest: each verified token's states fused and passed through the layer."""

@@ -35,7 +35,7 @@ POLICIES = ("reuse", "refresh", "min1", "min2", "min3")
 @struct.dataclass
 class HSDState:
     ctx: dict[str, Array]  # drafter keys/values of the verified context, by position
-    chain: Float[Array, "B C E"]  # chain[j]: predicted state at position ctx.len + j
+    chain: Float[Array, "B C W"]  # chain[j]: predicted state at position ctx.len + j
     chain_k: Float[Array, "B C K D"]  # keys/values of chain[j] as the layer input at that position
     chain_v: Float[Array, "B C K D"]
     n_chain: Int[Array, " B"]  # valid chain states (>= 1)
@@ -57,7 +57,7 @@ class HSDDrafter(FeatureDrafter):
                            empty=True)
         size = self.depth + 1
         return HSDState(
-            ctx=ctx, chain=jnp.zeros((b, size, c.hidden), jnp.float32).at[:, 0].set(first),
+            ctx=ctx, chain=jnp.zeros((b, size, c.state_width), jnp.float32).at[:, 0].set(first),
             chain_k=jnp.zeros((b, size, c.kv_heads, c.head_dim), jnp.float32),
             chain_v=jnp.zeros((b, size, c.kv_heads, c.head_dim), jnp.float32),
             n_chain=jnp.ones((b,), jnp.int32), fresh=jnp.zeros((b, size), jnp.int32).at[:, 0].set(1))
@@ -133,7 +133,7 @@ class HSDDrafter(FeatureDrafter):
     def observe_macs(self, gen_before, n_path):
         """The ingest, plus the root state's key/value projection when the chain is kept (depth > 1)."""
         c = self.cfg
-        rekey = (self.depth > 1) * c.hidden * 2 * c.kv_heads * c.head_dim
+        rekey = (self.depth > 1) * c.state_width * 2 * c.kv_heads * c.head_dim
         return super().observe_macs(gen_before, n_path) + jnp.where(gen_before.done, 0.0, float(rekey))
 
     def observe(self, dparams, state: HSDState, gen_before, gen_after, verdict, path_states):
