@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config", help="drafter config (JSON)")
     tr.add_argument("--stage", choices=("data", "train", "all"), default="all")
     tr.add_argument("--out", default=None, help="checkpoint path (default: in the run folder under the cache)")
-    tr.add_argument("--token-budget", type=_positive_int, default=None, help="override the data token budget")
+    tr.add_argument("--token-budget", type=_int_at_least(1, 1_000_000_000), default=None, help="override the data token budget")
     tr.add_argument("--max-steps", type=_positive_int, default=None, help="stop training after N steps")
     tr.add_argument("--epochs", type=_float_in(0.0, 1000.0, lo_open=True), default=None)
     add_mesh_args(tr)

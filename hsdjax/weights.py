@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -235,14 +235,16 @@ def unflatten(flat: dict[str, Any]) -> Params:
 
 
 def load_weights(
-    path: Path, kind: str, fingerprint: str, progress: bool = False
+    path: Path, kind: str, fingerprint: str, progress: bool = False, keys: Sequence[str] | None = None
 ) -> tuple[ModelConfig, Params, dict[str, float]]:
     """Load converted float32 weights, converting and caching them on the first call.
 
     Returns (config, params as numpy arrays, timings) where timings has ``load_s`` and ``cached``
-    (1.0 when the cache was hit).
+    (1.0 when the cache was hit). ``keys`` (top-level names such as ``embed``): read only those from
+    the cache (a drafter's training needs the embeddings and head, not 6 GB of layers); names not in the model
+    are skipped.
     """
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
     t0 = time.perf_counter()
     stem = f"{Path(path).name}-{fingerprint[:16]}-v{CONVERTER_VERSION}"
@@ -251,8 +253,9 @@ def load_weights(
     if cache_file.exists() and meta_file.exists():
         try:
             cfg = ModelConfig(**json.loads(meta_file.read_text()))
-            params = unflatten(load_file(str(cache_file)))
-            _check_shapes(params, cfg, str(cache_file))
+            params = unflatten(_read_cached(cache_file, keys))
+            if keys is None:
+                _check_shapes(params, cfg, str(cache_file))
             return cfg, params, {"load_s": time.perf_counter() - t0, "cached": 1.0}
         except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt, never trusted
             cache_file.unlink(missing_ok=True)
@@ -263,7 +266,18 @@ def load_weights(
     save_file(flatten(params), str(tmp))
     tmp.replace(cache_file)
     meta_file.write_text(json.dumps(cfg.to_dict()))
+    if keys is not None:
+        params = {k: v for k, v in params.items() if k in keys}
     return cfg, params, {"load_s": time.perf_counter() - t0, "cached": 0.0}
+
+
+def _read_cached(cache_file: Path, keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+    """The cached tensors (all, or those under the top-level ``keys``), one at a time from the file."""
+    from safetensors import safe_open
+
+    with safe_open(str(cache_file), framework="numpy") as f:
+        names = [n for n in f.keys() if keys is None or n.split("/")[0] in keys]
+        return {n: f.get_tensor(n) for n in names}
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Callable[[int], None]:

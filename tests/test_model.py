@@ -225,3 +225,19 @@ def test_fused_projections_equal_separate(tiny, scan):
     got = Transformer(fused_cfg).apply({"params": fused}, tokens, pos, mask)
     for key in ("hidden", "k", "v"):
         np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=2e-5, atol=2e-5)
+
+
+def test_target_parts_load_only_the_head_and_equal_the_full_weights(smollm):
+    """A drafter's training loads the embeddings, head and final norm without the layers; they are the
+    full load's arrays, and the provenance a checkpoint is bound to is the same."""
+    from hsdjax.loading import load_target_parts
+    from hsdjax.weights import load_weights
+
+    parts = load_target_parts("smollm2-135m")
+    _, full, _ = load_weights(smollm.source.path, smollm.source.kind, smollm.fingerprint)
+    assert set(parts.params) == {"embed", "final_norm"} | ({"lm_head"} if "lm_head" in full else set())
+    for key, value in parts.params.items():
+        np.testing.assert_array_equal(value, full[key])
+    assert parts.fingerprint == smollm.fingerprint and parts.name == smollm.name
+    assert parts.cfg.replace(dtype=smollm.cfg.dtype) == smollm.cfg.replace(
+        scan_layers=parts.cfg.scan_layers, cpu_matmul=parts.cfg.cpu_matmul, cache_dtype=parts.cfg.cache_dtype)

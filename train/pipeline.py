@@ -80,6 +80,7 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
     data-parallel over its ``data`` axis.
     """
     from hsdjax.api import load_model
+    from hsdjax.loading import load_target_parts
     from hsdjax.train.datagen import generate_data
     from hsdjax.train.train import TRAIN_DEFAULTS, check_data_parallel
 
@@ -88,7 +89,10 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
         check_data_parallel(int({**TRAIN_DEFAULTS, **cfg.get("train", {})}["batch"]), mesh)
     if token_budget is not None:
         cfg["data"]["token_budget"] = token_budget
-    model = load_model(cfg["target"], mesh=mesh)
+    if stage == "train":  # the drafter trains on recorded states: of the target it needs the head only
+        model = load_target_parts(cfg["target"])
+    else:
+        model = load_model(cfg["target"], mesh=mesh)
     drafter_heads(model.cfg, int({**DRAFTER_DEFAULTS, **cfg.get("drafter", {})}["width"]))  # before the data, too
     folder = data_folder(model, cfg["data"])
     summary: dict[str, Any] = {"data": str(folder)}
