@@ -57,7 +57,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     head, colon, path = rest.partition(":")
     method, *pairs = head.split(",")
     usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,lookup=N,min_prob=P,"
-             "draft_length=L]:CHECKPOINT|-")
+             "draft_length=L,ahead=A]:CHECKPOINT|-")
     if not (eq and colon and label and method in ("hsd", "eagle", "sps") and path):
         raise SystemExit(usage)
     from hsdjax.methods import TREE_SIZES
@@ -65,7 +65,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     opts: dict[str, Any] = {}
     for pair in pairs:  # ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
-        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "min_prob", "draft_length"):
+        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "min_prob", "draft_length", "ahead"):
             raise SystemExit(usage)
         try:
             opts[key] = float(value) if key == "min_prob" else value if key == "draft_length" else int(value)

@@ -42,6 +42,8 @@ OPTIONS = (  # in the order of the command line's --help
     Option("drafter", "text", "hsd/eagle: a drafter checkpoint (default: the one shipped for --model)"),
     Option("budget", "size", "hsd/eagle: tree nodes verified per round besides the root"),
     Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}"),
+    Option("ahead", "count", "hsd: chain states drafted beyond the tree's depth and kept for later rounds "
+                             "(0-4, default 0)"),
     Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)"),
     Option("lookup", "count", "hsd/eagle: also verify prompt lookup's continuation of up to this many tokens "
                               "when the context has a match (0: off; default 6)"),
@@ -76,8 +78,8 @@ REGISTRY = {m.name: m for m in (
     # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy; a grafted
     # lookup continuation of 6 tokens on 2-token matches took hsd from 1.10x to 1.62x ar on the dev sets
     # (1-token matches 1.53x, 3-token 1.62x, 4 tokens on 2-token matches 1.54x; docs/drafters.md)
-    Method("hsd", ("depth", "width", "budget", "policy", "drafter", "min_prob", "lookup", "lookup_ngram"),
-           {"depth": 4, "width": 3, "budget": 5, "policy": "min2", "lookup": 6, "lookup_ngram": 2}),
+    Method("hsd", ("depth", "width", "budget", "policy", "ahead", "drafter", "min_prob", "lookup", "lookup_ngram"),
+           {"depth": 4, "width": 3, "budget": 5, "policy": "min2", "ahead": 0, "lookup": 6, "lookup_ngram": 2}),
     Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "lookup", "lookup_ngram"),
            {"depth": 4, "width": 3, "budget": 5, "lookup": 6, "lookup_ngram": 2}),
 )}
@@ -165,8 +167,8 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
     setting = tree_setting(method, model, given)
     if method in FEATURE_METHODS:
         return _feature(method, model, setting, given)
-    if "drafter" in given or "policy" in given:
-        raise HsdjaxError(f"--drafter and --policy apply to hsd and eagle, not {method}")
+    if "drafter" in given or "policy" in given or "ahead" in given:
+        raise HsdjaxError(f"--drafter applies to hsd and eagle, --policy and --ahead to hsd; not to {method}")
     if method == "ar":
         return ARDrafter(), ()
     if method == "pld":
@@ -232,6 +234,12 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
         if given["policy"] not in POLICIES:
             raise HsdjaxError(f"unknown --policy {given['policy']!r}; available: {', '.join(POLICIES)}")
         setting["policy"] = given["policy"]
+    if "ahead" in given:
+        if method != "hsd":
+            raise HsdjaxError("--ahead applies to hsd only")
+        if not 0 <= given["ahead"] <= 4:
+            raise HsdjaxError(f"--ahead must be between 0 and 4 (got {given['ahead']})")
+        setting["ahead"] = given["ahead"]
     return feature_drafter(method, cfg, layers, **setting), dparams
 
 
@@ -242,4 +250,5 @@ def feature_drafter(method: str, cfg: Any, layers: tuple[int, ...], **setting: A
     if method == "hsd":
         return HSDDrafter(cfg=cfg, layers=layers, **setting)
     setting.pop("policy", None)
+    setting.pop("ahead", None)
     return EagleDrafter(cfg=cfg, layers=layers, **setting)

@@ -114,6 +114,27 @@ def test_prompt_bucket_as_long_as_the_cache(target):
         assert run_engine(cfg, params, prompts, 16, drafter=drafter, dparams=dparams) == want, method
 
 
+def test_hsd_chain_ahead_is_lossless_and_keeps_states_for_later_rounds(target):
+    """A depth-2 tree reads chain states 0 and 1; after any acceptance state 1 is gone, so nothing is
+    reused. Drafting 2 states ahead keeps guesses for the next rounds (read there, not redrafted); the
+    output stays `ar`'s either way."""
+    cfg, params = target
+    prompts = prompts_of(8, cfg.vocab_size, 2)
+    want = run_engine(cfg, params, prompts, 40)
+    reused = {}
+    for ahead in (0, 2):
+        drafter, dparams = feature_drafter(cfg, params, "hsd", policy="reuse", depth=2, width=2, budget=3,
+                                           ahead=ahead)
+        assert drafter.chain_size == 3 + ahead
+        got, state = run_engine(cfg, params, prompts, 40, drafter=drafter, dparams=dparams, chunks=[7, 40],
+                                return_state=True)
+        assert got == want, ahead
+        s = jax.tree_util.tree_map(np.asarray, state.stats)
+        reused[ahead] = int(s.reused_states.sum())
+        assert np.all(s.drafter_states <= s.target_passes * (1 + ahead + 1))  # ingest + at most the chain's steps
+    assert reused[0] == 0 and reused[2] > 0, reused
+
+
 @pytest.mark.parametrize("policy", ["reuse", "refresh", "min2"])
 def test_hsd_policies_are_lossless_and_reuse_counts(target, policy):
     cfg, params = target

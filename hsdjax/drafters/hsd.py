@@ -11,7 +11,9 @@ last output is a fresh guess for the new root position) and the chain is shifted
 states beyond the accepted path are still guesses for the positions that follow, so the next round
 reuses them and only extends the chain by the missing depths (the fresh root state's keys replace
 those of the old guess it stands in for, as in training, where each rollout step attends to the keys
-of the step before). The refresh policy decides when to
+of the step before). With ``ahead`` > 0 the chain runs
+that many states past the tree's depth, so that states survive a partial acceptance too (they are
+drafted once and read by later rounds). The refresh policy decides when to
 throw the kept states away instead: ``reuse`` (never), ``refresh`` (always), or ``minN`` (when
 fewer than N kept states remain).
 """
@@ -46,6 +48,7 @@ class HSDState:
 class HSDDrafter(FeatureDrafter):
     name: str = "hsd"
     policy: str = "min2"
+    ahead: int = 0  # chain states drafted beyond the tree's depth, for the rounds after a partial acceptance
 
     # ------------------------------------------------------------------ state
     def init_state(self, dparams, gen, prompt_states):
@@ -55,7 +58,7 @@ class HSDDrafter(FeatureDrafter):
         x = self._net().apply({"params": dparams["net"]}, states, method=FeatureDrafterNet.fuse_states)
         ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len, self.attention,
                            empty=True)
-        size = self.depth + 1
+        size = self.chain_size
         return HSDState(
             ctx=ctx, chain=jnp.zeros((b, size, c.state_width), jnp.float32).at[:, 0].set(first),
             chain_k=jnp.zeros((b, size, c.kv_heads, c.head_dim), jnp.float32),
@@ -63,6 +66,11 @@ class HSDDrafter(FeatureDrafter):
             n_chain=jnp.ones((b,), jnp.int32), fresh=jnp.zeros((b, size), jnp.int32).at[:, 0].set(1))
 
     # ------------------------------------------------------------------ chain
+    @property
+    def chain_size(self) -> int:
+        """Chain slots: the ``depth`` states a tree reads, ``ahead`` more, and one for the shift."""
+        return self.depth + self.ahead + 1
+
     def _chain_step(self, dparams, ctx: dict[str, Array], st: HSDState, j: int) -> HSDState:
         """chain[j+1] from chain[j] (rows whose chain is exactly j+1 long). ``st`` holds the chain
         fields only (its ``ctx`` is empty): the context cache is read, never carried through."""
@@ -84,11 +92,11 @@ class HSDDrafter(FeatureDrafter):
             fresh=jnp.where(need[:, None], st.fresh.at[:, j + 1].set(1), st.fresh))
 
     def _extend(self, dparams, st: HSDState, active) -> tuple[HSDState, Int[Array, " B"]]:
-        """Make sure ``depth`` chain states exist; one chain step per missing depth, skipped when no
-        active row needs it. Returns the state and the chain steps per row."""
+        """Make sure ``depth + ahead`` chain states exist; one chain step per missing state, skipped
+        when no active row needs it. Returns the state and the chain steps per row."""
         steps = jnp.zeros_like(st.n_chain)
         ctx, chain = st.ctx, st.replace(ctx=())  # the conditional carries the small chain fields only
-        for j in range(self.depth - 1):
+        for j in range(self.depth + self.ahead - 1):
             need = (chain.n_chain == j + 1) & active
             steps = steps + need.astype(jnp.int32)
             chain = jax.lax.cond(jnp.any(need), lambda s, j=j: self._chain_step(dparams, ctx, s, j), lambda s: s,
@@ -124,7 +132,7 @@ class HSDDrafter(FeatureDrafter):
                          axis=1)
         tree = self.graft_lookup(tree, gen)
         heads = 1 + (self.depth - 1) * self.width  # g + head for the root and each depth's frontier
-        macs = (steps * self._layer_macs(gen.seq_len.astype(jnp.float32) + self.depth)
+        macs = (steps * self._layer_macs(gen.seq_len.astype(jnp.float32) + self.depth + self.ahead)
                 + heads * (self._inject_macs() + self._head_macs()))
         # +1 pass: the ingest after verification
         cost = DraftCost(passes=steps + 1, states=steps + 1, reused=reused, macs=macs.astype(jnp.float32))
@@ -133,7 +141,7 @@ class HSDDrafter(FeatureDrafter):
     def observe_macs(self, gen_before, n_path):
         """The ingest, plus the root state's key/value projection when the chain is kept (depth > 1)."""
         c = self.cfg
-        rekey = (self.depth > 1) * c.state_width * 2 * c.kv_heads * c.head_dim
+        rekey = (self.depth + self.ahead > 1) * c.state_width * 2 * c.kv_heads * c.head_dim
         return super().observe_macs(gen_before, n_path) + jnp.where(gen_before.done, 0.0, float(rekey))
 
     def observe(self, dparams, state: HSDState, gen_before, gen_after, verdict, path_states):
@@ -155,7 +163,7 @@ class HSDDrafter(FeatureDrafter):
         elif self.policy.startswith("min"):
             n_chain = jnp.where(kept - 1 >= int(self.policy[3:]), n_chain, 1)
         chain_k, chain_v = take(state.chain_k), take(state.chain_v)
-        if self.depth > 1:  # kept chain states are extended from the fresh root state: give it its own keys
+        if self.depth + self.ahead > 1:  # kept chain states are extended from the fresh root state: give it its own keys
             _, k0, v0 = net.apply({"params": p}, fresh_state[:, None], ctx["len"][:, None],
                                   method=FeatureDrafterNet.project)
             chain_k, chain_v = chain_k.at[:, 0].set(k0[:, 0]), chain_v.at[:, 0].set(v0[:, 0])
