@@ -57,7 +57,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     head, colon, path = rest.partition(":")
     method, *pairs = head.split(",")
     usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,lookup=N,min_prob=P,"
-             "draft_length=L,ahead=A]:CHECKPOINT|-")
+             "draft_length=L,ahead=A,policy=P]:CHECKPOINT|-")
     if not (eq and colon and label and method in ("hsd", "eagle", "sps") and path):
         raise SystemExit(usage)
     from hsdjax.methods import TREE_SIZES
@@ -65,10 +65,10 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     opts: dict[str, Any] = {}
     for pair in pairs:  # ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
-        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "min_prob", "draft_length", "ahead"):
+        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "min_prob", "draft_length", "ahead", "policy"):
             raise SystemExit(usage)
         try:
-            opts[key] = float(value) if key == "min_prob" else value if key == "draft_length" else int(value)
+            opts[key] = float(value) if key == "min_prob" else value if key in ("draft_length", "policy") else int(value)
         except ValueError:
             raise SystemExit(usage) from None
     if path != "-":
