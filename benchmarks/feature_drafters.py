@@ -140,12 +140,14 @@ def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[
 
 def print_summary(summary: dict[str, dict[str, Any]], timed: bool = True) -> None:
     if not timed:
-        print(f"{'method':<14} {'acc.len':>7} {'states/tok':>10} {'util':>6} {'== ar':>6}  accepted length by set")
+        print(f"{'method':<14} {'acc.len':>7} {'states/tok':>10} {'util':>6} {'reused':>6} {'MMAC/acc':>8} "
+              f"{'== ar':>6}  accepted length by set")
         for name, s in summary.items():
             util = f"{s['utilisation']:.3f}" if s["utilisation"] is not None else "-"
+            macs = f"{s['drafter_mmacs_per_accepted']:.2f}" if s["drafter_mmacs_per_accepted"] else "-"
             sets = ", ".join(f"{k} {v['accepted_length']:.2f}" for k, v in s["by_set"].items())
             print(f"{name:<14} {s['accepted_length']:>7.2f} {s['drafter_states_per_token']:>10.3f} {util:>6} "
-                  f"{s['identical']:>3}/{s['questions']}  {sets}")
+                  f"{s['reused_states']:>6} {macs:>8} {s['identical']:>3}/{s['questions']}  {sets}")
         for name, s in summary.items():
             if name != "ar":
                 print(f"{name}: acceptance per depth {s['per_depth']}")
