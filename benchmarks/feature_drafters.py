@@ -101,6 +101,21 @@ def run_interleaved(runners: list[Any], prompts: list[tuple[str, list[int]]], ma
     return rows
 
 
+def acceptance_after_previous(rs: list[dict[str, Any]], depths: int, top: int = 3) -> dict[str, Any]:
+    """Acceptance per depth split by what the round before emitted (1: every draft rejected; 2: one
+    draft accepted, ...; ``top`` or more pooled): with a chain kept across rounds, which states a tree
+    reads depends on the previous round, so a fault in kept states shows up in one bucket only."""
+    from hsdjax.bench.report import acceptance_given_reach, count_rounds
+
+    groups: dict[int, list[int]] = {}
+    for r in rs:
+        a = r["accept_lengths"]
+        for prev, cur in zip(a, a[1:]):
+            groups.setdefault(min(prev, top), []).append(cur)
+    return {f"after {k}{'+' if k == top else ''}": {"rounds": len(v), "per_depth": [
+        round(p, 3) for p in acceptance_given_reach(count_rounds(v), depths)]} for k, v in sorted(groups.items())}
+
+
 def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[int, float]) -> dict[str, Any]:
     """One method's figures against ``ar`` (``base``), with the step-time split from the pass ``costs``."""
     from hsdjax.bench.report import (acceptance_given_reach, accepted_length, by_set, count_rounds, median_ratio,
@@ -124,6 +139,7 @@ def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[
         "median_ratio": median_ratio(dec, bdec),
         "accepted_length": accepted_length(toks, passes),
         "per_depth": [round(p, 3) for p in acceptance_given_reach(hist, depths)],
+        "per_depth_after_previous": acceptance_after_previous(rs, depths),
         "draft_passes_per_token": sum(r.get("draft_passes", 0) for r in rs) / max(toks, 1),
         "drafter_states_per_token": states / max(toks, 1),
         "utilisation": (own / states) if states else None,
@@ -136,6 +152,11 @@ def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[
         "round_ms": round_s * 1e3, "verify_pass_ms": verify_s * 1e3,
         "drafter_ms": max(round_s - verify_s, 0.0) * 1e3, "ar_pass_ms": costs[1] * 1e3,
     }
+
+
+def print_after_previous(s: dict[str, Any]) -> None:
+    print("    by the previous round's emitted tokens: " + "; ".join(
+        f"{k} ({v['rounds']} rounds) {v['per_depth']}" for k, v in s["per_depth_after_previous"].items()))
 
 
 def print_summary(summary: dict[str, dict[str, Any]], timed: bool = True) -> None:
@@ -151,6 +172,7 @@ def print_summary(summary: dict[str, dict[str, Any]], timed: bool = True) -> Non
         for name, s in summary.items():
             if name != "ar":
                 print(f"{name}: acceptance per depth {s['per_depth']}")
+                print_after_previous(s)
         return
     print(f"{'method':<12} {'dec tok/s':>9} {'x ar':>6} {'median':>6} {'acc.len':>7} {'pass/tok':>8} "
           f"{'states/tok':>10} {'util':>6} {'reused':>6} {'round ms':>8} {'verify':>6} {'drafter':>7} {'== ar':>6}")
@@ -165,6 +187,7 @@ def print_summary(summary: dict[str, dict[str, Any]], timed: bool = True) -> Non
             macs = s["drafter_mmacs_per_accepted"]
             print(f"{name}: acceptance per depth {s['per_depth']}; drafter M multiply-adds per accepted draft "
                   f"{macs:.2f}" if macs else f"{name}: acceptance per depth {s['per_depth']}")
+            print_after_previous(s)
             print("    by set (accepted length / decode speed vs ar): " + ", ".join(
                 f"{k} {v['accepted_length']:.2f} / {v['speedup']:.2f}x" for k, v in s["by_set"].items()))
 
