@@ -97,6 +97,33 @@ def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
         load_drafter(path, target, "eagle" if method == "hsd" else "hsd")
 
 
+def test_an_interrupted_training_run_saves_its_steps_and_resumes_from_them(recorded, tmp_path):
+    """Ctrl-C between the periodic saves keeps the steps done so far (the interrupt comes from the log
+    call after the first epoch's evaluation, before that epoch's save)."""
+    params, layers, prompts, data = recorded
+    fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
+                       rope_theta=CFG.rope_theta)
+    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
+    frozen = frozen_from_params(params, CFG)
+    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
+                 "final_norm": np.asarray(frozen["final_norm"])}
+    opts = dict(window=32, batch=8, rollout=2, epochs=3, lr=3e-3, warmup=2, holdout=0.15, save_every_s=1e9)
+    logs = []
+
+    def interrupt_after_first_epoch(msg):
+        logs.append(msg)
+        if msg.startswith("step "):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=interrupt_after_first_epoch)
+    first_epoch = int(logs[0].split()[1].rstrip(":"))
+    assert any(m.startswith(f"interrupted: saving step {first_epoch}") for m in logs), logs
+    done = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=logs.append)
+    assert any(f"resumed from step {first_epoch}" in m for m in logs), logs
+    assert done["steps"] == 3 * first_epoch
+
+
 @pytest.mark.parametrize("method", ["hsd", "eagle"])
 def test_a_narrow_drafter_trains_loads_counts_its_work_and_is_lossless(recorded, tmp_path, method):
     """``width`` < the target's E: the layer runs W wide, ``lift`` maps its states to E for the head

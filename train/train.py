@@ -344,35 +344,43 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     t0 = time.perf_counter()
     tokens_per_step = opts["batch"] * opts["window"]
     lap_t, lap_step = t0, step  # throughput since the last evaluation (compilation included in the first)
-    while step < total:
-        epoch = step // steps_per_epoch
-        order = np.random.default_rng(opts["seed"] + epoch).permutation(len(train_set))
-        j = step % steps_per_epoch
-        starts = train_set.starts[order[j * opts["batch"]:(j + 1) * opts["batch"]]]
-        if len(starts) < opts["batch"]:
-            starts = rng.choice(train_set.starts, opts["batch"])
-        batch = train_set.batch(starts)
-        if opts["feature_noise"] > 0:  # per-row keys from (seed, step): a resumed run draws the same noise
-            batch["noise_key"] = np.asarray(jax.random.split(
-                jax.random.fold_in(jax.random.PRNGKey(opts["seed"]), step), opts["batch"]))
-        params, opt_state, loss, m = train_step(params, opt_state, place_batch(batch, mesh), frozen_j)
-        step += 1
-        bar.update(1)
-        if step % 10 == 0:
-            rate = (step - lap_step) * tokens_per_step / max(time.perf_counter() - lap_t, 1e-9)
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(m['acc1']):.3f}", tok_s=f"{rate:.0f}")
-        end_of_epoch = step % steps_per_epoch == 0 or step == total
-        if end_of_epoch:
-            now = time.perf_counter()
-            rate = (step - lap_step) * tokens_per_step / max(now - lap_t, 1e-9)
-            ev = evaluate()
-            history.append({"step": step, "epoch": step / steps_per_epoch, "train_loss": round(float(loss), 4),
-                            "seconds": round(now - t0, 1), "train_tokens_per_s": round(rate, 1), **ev})
-            lap_t, lap_step = time.perf_counter(), step
-            log(f"step {step}: held-out {ev}")
-        if end_of_epoch or time.monotonic() - last_save > opts["save_every_s"]:
+    saved = step
+    try:
+        while step < total:
+            epoch = step // steps_per_epoch
+            order = np.random.default_rng(opts["seed"] + epoch).permutation(len(train_set))
+            j = step % steps_per_epoch
+            starts = train_set.starts[order[j * opts["batch"]:(j + 1) * opts["batch"]]]
+            if len(starts) < opts["batch"]:
+                starts = rng.choice(train_set.starts, opts["batch"])
+            batch = train_set.batch(starts)
+            if opts["feature_noise"] > 0:  # per-row keys from (seed, step): a resumed run draws the same noise
+                batch["noise_key"] = np.asarray(jax.random.split(
+                    jax.random.fold_in(jax.random.PRNGKey(opts["seed"]), step), opts["batch"]))
+            # one assignment: an interrupt cannot fall between the new params and their step count
+            params, opt_state, loss, m, step = (*train_step(params, opt_state, place_batch(batch, mesh), frozen_j),
+                                                step + 1)
+            bar.update(1)
+            if step % 10 == 0:
+                rate = (step - lap_step) * tokens_per_step / max(time.perf_counter() - lap_t, 1e-9)
+                bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(m['acc1']):.3f}", tok_s=f"{rate:.0f}")
+            end_of_epoch = step % steps_per_epoch == 0 or step == total
+            if end_of_epoch:
+                now = time.perf_counter()
+                rate = (step - lap_step) * tokens_per_step / max(now - lap_t, 1e-9)
+                ev = evaluate()
+                history.append({"step": step, "epoch": step / steps_per_epoch, "train_loss": round(float(loss), 4),
+                                "seconds": round(now - t0, 1), "train_tokens_per_s": round(rate, 1), **ev})
+                lap_t, lap_step = time.perf_counter(), step
+                log(f"step {step}: held-out {ev}")
+            if end_of_epoch or time.monotonic() - last_save > opts["save_every_s"]:
+                save(step)
+                last_save, saved = time.monotonic(), step
+    except KeyboardInterrupt:  # Ctrl-C: keep the steps done since the last save, then stop
+        if step > saved:
+            log(f"interrupted: saving step {step} (run the same command to resume)")
             save(step)
-            last_save = time.monotonic()
+        raise
     bar.close()
     if not history:
         history.append({"step": step, **evaluate()})
