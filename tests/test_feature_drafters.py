@@ -206,6 +206,23 @@ def test_tree_keeps_best_nodes_with_their_ancestors():
     assert kept.min() >= dropped.max()
 
 
+def test_every_shipped_drafter_is_small_names_a_registered_target_and_its_method():
+    """Each file under hsdjax/drafters/checkpoints is at most 32 MB (the repository's limit), is named
+    ``<model>-<method>`` after the target and method its metadata records, and that target is registered
+    (its weights are checked at load time, as the default model's are above)."""
+    from hsdjax.drafters.checkpoint import SHIPPED_DIR, read_meta
+    from hsdjax.registry import list_models
+
+    files = sorted(SHIPPED_DIR.glob("*.safetensors"))
+    assert files
+    for path in files:
+        meta = read_meta(path)
+        assert path.stat().st_size <= 32_000_000, path
+        method = meta["config"]["method"]
+        assert path.stem == f"{meta['target']}-{method}", (path, meta["target"], method)
+        assert meta["target"] in {m.name for m in list_models()} and len(meta["target_fingerprint"]) == 64
+
+
 @pytest.mark.parametrize("method", ["hsd", "eagle"])
 def test_shipped_drafters_load_for_the_default_model(smollm, method):
     """The committed checkpoints bind to the installed SmolLM2 (weights fingerprint) and are small."""
