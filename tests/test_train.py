@@ -35,6 +35,14 @@ def recorded():
     return params, layers, prompts, data
 
 
+def frozen_pieces(params, data, fc):
+    """The draft vocabulary for ``fc`` from the recorded top-k, and the target pieces training reads."""
+    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
+    frozen = frozen_from_params(params, CFG)
+    return vocab_ids, {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
+                       "final_norm": np.asarray(frozen["final_norm"])}
+
+
 def test_recorded_states_match_a_teacher_forced_pass(recorded):
     """What the recording drafter stored during decoding equals a fresh forward over the sequence."""
     import jax.numpy as jnp
@@ -59,10 +67,7 @@ def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
     params, layers, prompts, data = recorded
     fc = FeatureConfig(method=method, hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64,
                        vocab=64, rope_theta=CFG.rope_theta)
-    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
-    frozen = frozen_from_params(params, CFG)
-    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
-                 "final_norm": np.asarray(frozen["final_norm"])}
+    vocab_ids, frozen_np = frozen_pieces(params, data, fc)
     opts = dict(window=32, batch=8, rollout=3, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=30)
     logs = []
     first = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=logs.append)
@@ -103,10 +108,7 @@ def test_an_interrupted_training_run_saves_its_steps_and_resumes_from_them(recor
     params, layers, prompts, data = recorded
     fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
                        rope_theta=CFG.rope_theta)
-    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
-    frozen = frozen_from_params(params, CFG)
-    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
-                 "final_norm": np.asarray(frozen["final_norm"])}
+    vocab_ids, frozen_np = frozen_pieces(params, data, fc)
     opts = dict(window=32, batch=8, rollout=2, epochs=3, lr=3e-3, warmup=2, holdout=0.15, save_every_s=1e9)
     logs = []
 
@@ -148,10 +150,7 @@ def test_a_narrow_drafter_trains_loads_counts_its_work_and_is_lossless(recorded,
     per_token = d._input_macs() + d._layer_macs(0) + d._head_macs() + (d._inject_macs() if method == "hsd" else 0)
     assert per_token == matrices + fc.vocab * fc.hidden
 
-    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
-    frozen = frozen_from_params(params, CFG)
-    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
-                 "final_norm": np.asarray(frozen["final_norm"])}
+    vocab_ids, frozen_np = frozen_pieces(params, data, fc)
     opts = dict(window=32, batch=8, rollout=3, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=30)
     out = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=lambda m: None)
     assert out["history"][-1]["loss"] < out["history"][0]["loss"]
@@ -210,10 +209,7 @@ def test_training_with_feature_noise_learns_and_is_reproducible(recorded, tmp_pa
     params, layers, prompts, data = recorded
     fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
                        rope_theta=CFG.rope_theta)
-    vocab_ids = draft_vocab(data["top_ids"], fc.vocab, CFG.vocab_size)
-    frozen = frozen_from_params(params, CFG)
-    frozen_np = {"embed": np.asarray(frozen["embed"]), "head": np.asarray(frozen["head_full"])[vocab_ids],
-                 "final_norm": np.asarray(frozen["final_norm"])}
+    vocab_ids, frozen_np = frozen_pieces(params, data, fc)
     opts = dict(window=32, batch=8, rollout=2, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=24,
                 feature_noise=0.1)
     whole = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "a", progress=False, log=lambda m: None)
