@@ -102,9 +102,15 @@ def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
         load_drafter(path, target, "eagle" if method == "hsd" else "hsd")
 
 
-def test_an_interrupted_training_run_saves_its_steps_and_resumes_from_them(recorded, tmp_path):
-    """Ctrl-C between the periodic saves keeps the steps done so far (the interrupt comes from the log
-    call after the first epoch's evaluation, before that epoch's save)."""
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_training_run_saves_its_steps_and_resumes_from_them(recorded, tmp_path, how):
+    """Ctrl-C, or a real SIGTERM to this process (``kill``, a session ending; a job started with ``&``
+    ignores SIGINT), between the periodic saves keeps the steps done so far: the interrupt comes from the
+    log call after the first epoch's evaluation, before that epoch's save. Training puts the previous
+    SIGTERM handler back afterwards."""
+    import os
+    import signal
+
     params, layers, prompts, data = recorded
     fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
                        rope_theta=CFG.rope_theta)
@@ -115,10 +121,15 @@ def test_an_interrupted_training_run_saves_its_steps_and_resumes_from_them(recor
     def interrupt_after_first_epoch(msg):
         logs.append(msg)
         if msg.startswith("step "):
-            raise KeyboardInterrupt
+            if how == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise KeyboardInterrupt
 
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt):
         train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=interrupt_after_first_epoch)
+    assert signal.getsignal(signal.SIGTERM) is before
     first_epoch = int(logs[0].split()[1].rstrip(":"))
     assert any(m.startswith(f"interrupted: saving step {first_epoch}") for m in logs), logs
     done = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "ckpt", progress=False, log=logs.append)

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -345,6 +347,7 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     tokens_per_step = opts["batch"] * opts["window"]
     lap_t, lap_step = t0, step  # throughput since the last evaluation (compilation included in the first)
     saved = step
+    restore_sigterm = sigterm_as_interrupt()
     try:
         while step < total:
             epoch = step // steps_per_epoch
@@ -376,16 +379,32 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
             if end_of_epoch or time.monotonic() - last_save > opts["save_every_s"]:
                 save(step)
                 last_save, saved = time.monotonic(), step
-    except KeyboardInterrupt:  # Ctrl-C: keep the steps done since the last save, then stop
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the steps done since the last save, then stop
         if step > saved:
             log(f"interrupted: saving step {step} (run the same command to resume)")
             save(step)
         raise
+    finally:
+        restore_sigterm()
     bar.close()
     if not history:
         history.append({"step": step, **evaluate()})
     return {"params": params, "history": history, "steps": step, "train_windows": len(train_set),
             "eval_windows": len(eval_set)}
+
+
+def sigterm_as_interrupt() -> Callable[[], None]:
+    """Make SIGTERM (``kill``, a job manager or a session ending the process) raise KeyboardInterrupt, so
+    training saves its steps as on Ctrl-C (a job started with ``&`` ignores SIGINT); returns the function
+    that puts the previous handler back. Only the main thread can set handlers: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def check_same_run(ckpt_dir: Path, run: dict[str, Any]) -> None:
