@@ -14,6 +14,9 @@
 //   compressed and float32 panels give bitwise-equal products while a one-token step, which streams
 //   every weight once, reads 4-6x fewer bytes. Built with -ffp-contract=fast: the chains over k are
 //   fused multiply-adds, the same in every tile.
+//   Or in bfloat16 panels wb[N/32, K, 32] when every weight is a bfloat16 value (a drafter's trained
+//   matrices): the decode is a shift, exact, and the product equals the float32 panels' bit for bit at
+//   half the bytes.
 //
 // Every output is one multiply-add chain over k = 0 .. K-1 whatever M is, so a T-token tree pass and a
 // one-token `ar` step compute bitwise-equal matmul outputs. A panel (K x 32 weights, contiguous) is read
@@ -35,6 +38,8 @@ namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int64_t kPanel = 32;
 
 // The two compressed formats (see the top of the file).
@@ -95,6 +100,24 @@ void Tile(const float* x, int64_t k_len, const float* wp, float* y, int64_t n) {
       __builtin_memcpy(&w1, wp + k * kPanel + 16, 64);
       use(k, w0, w1);
     }
+  });
+}
+
+// 16 bfloat16 values to float32: the 16 bits become the high half of the float (exact).
+inline v16 Bf16ToFloat(const uint16_t* p) {
+  u16x16 h;
+  __builtin_memcpy(&h, p, 32);
+  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+  v16 out;
+  __builtin_memcpy(&out, &bits, 64);
+  return out;
+}
+
+// Same products as Tile on the bfloat16 panel's float32 values.
+template <int MT>
+void BTile(const float* x, int64_t k_len, const uint16_t* wb, float* y, int64_t n) {
+  Chains<MT>(x, k_len, y, n, [&](auto&& use) {
+    for (int64_t k = 0; k < k_len; ++k) use(k, Bf16ToFloat(wb + k * kPanel), Bf16ToFloat(wb + k * kPanel + 16));
   });
 }
 
@@ -159,7 +182,7 @@ struct Work {
   int64_t m, k;
   const void* wp;
   int64_t panel_bytes;
-  int bits;  // 32: float32 panels; 4 / 8: compressed
+  int bits;  // 32: float32 panels; 16: bfloat16 panels; 4 / 8: compressed
   int64_t p0, p1;  // panels [p0, p1)
   float* y;
   int64_t n;
@@ -174,14 +197,25 @@ void DecodePanel(const uint8_t* panel, int64_t k_len, float* out) {
   });
 }
 
-// Rows [m0, m0 + rows) of x against one panel; rows <= 8. bits 32: float32 panel, else compressed.
+// A bfloat16 panel [K, 32] as float32 panel (for sweeps of more than 8 rows).
+void DecodeBf16Panel(const uint16_t* panel, int64_t k_len, float* out) {
+  for (int64_t k = 0; k < k_len; ++k) {
+    const v16 w0 = Bf16ToFloat(panel + k * kPanel), w1 = Bf16ToFloat(panel + k * kPanel + 16);
+    __builtin_memcpy(out + k * kPanel, &w0, 64);
+    __builtin_memcpy(out + k * kPanel + 16, &w1, 64);
+  }
+}
+
+// Rows [m0, m0 + rows) of x against one panel; rows <= 8. bits 32: float32 panel, 16: bfloat16, else
+// compressed.
 void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) {
   const float* xs = w.x + m0 * w.k;
   float* ys = w.y + m0 * w.n;
 #define HSDJAX_TILE(MT)                                                                                    \
-  (bits == 4   ? QTile<MT, 4>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                        \
-   : bits == 8 ? QTile<MT, 8>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                        \
-               : Tile<MT>(xs, w.k, static_cast<const float*>(panel), ys, w.n))
+  (bits == 4    ? QTile<MT, 4>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                       \
+   : bits == 8  ? QTile<MT, 8>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                       \
+   : bits == 16 ? BTile<MT>(xs, w.k, static_cast<const uint16_t*>(panel), ys, w.n)                         \
+                : Tile<MT>(xs, w.k, static_cast<const float*>(panel), ys, w.n))
   switch (rows) {
     case 8: HSDJAX_TILE(8); break;
     case 7: HSDJAX_TILE(7); break;
@@ -195,8 +229,9 @@ void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) 
 #undef HSDJAX_TILE
 }
 
-// Up to 8 rows read a compressed panel once, decoding on the fly; more rows decode it once into a
-// buffer (L2-sized) and sweep that per 8 rows. Either way every output is the same chain over k.
+// Up to 8 rows read a compressed (or bfloat16) panel once, decoding on the fly; more rows decode it
+// once into a buffer (L2-sized) and sweep that per 8 rows. Either way every output is the same chain
+// over k.
 void Panels(const Work& w) {
   std::unique_ptr<float[]> decoded;
   if (w.bits != 32 && w.m > 8) decoded.reset(new float[w.k * kPanel]);
@@ -204,7 +239,9 @@ void Panels(const Work& w) {
     const void* panel = static_cast<const uint8_t*>(w.wp) + p * w.panel_bytes;
     int bits = w.bits;
     if (decoded) {
-      if (bits == 4) {
+      if (bits == 16) {
+        DecodeBf16Panel(static_cast<const uint16_t*>(panel), w.k, decoded.get());
+      } else if (bits == 4) {
         DecodePanel<4>(static_cast<const uint8_t*>(panel), w.k, decoded.get());
       } else {
         DecodePanel<8>(static_cast<const uint8_t*>(panel), w.k, decoded.get());
@@ -265,6 +302,18 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
                         panels * kPanel});
 }
 
+ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> wb,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = wb.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("hsdjax bfloat16 matmul: expects x [M, K] and panels [N/32, K, 32]");
+  }
+  const int64_t m = xd[0], k = xd[1], panels = wd[0];
+  return RunChunks(pool, Work{x.typed_data(), m, k, wb.untyped_data(), k * kPanel * 2, 16, 0, panels,
+                              y->typed_data(), panels * kPanel});
+}
+
 ffi::Error CompressedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
                             ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -293,6 +342,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxPanelMatmul, PanelMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxBf16Matmul, Bf16Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmul, CompressedMatmul,

@@ -14,6 +14,8 @@ a block-quantized GGUF dequantizes to: SmolLM2's Q4_1 / Q8_0, Qwen's Q4_K / Q6_K
 int8 codes plus float32 block scales and decoded on the fly to the same float32 values (``compress_weight``
 finds the codes from the file's scales, or searches float16 scales, and checks every value; anything
 else stays float32). Same products, 4-6x fewer bytes per step: SmolLM2's `ar` step 33 -> 11 ms here.
+Bfloat16 panels (``pack_exact``): a matrix whose values are all bfloat16 values (a drafter checkpoint's)
+is stored in bfloat16 and widened exactly in the kernel: the float32 panels' products at half the bytes.
 
 It is never built by ``pip install`` (which needs no compiler): ``hsdjax cpu-matmul build`` compiles
 it once with the machine's C++ compiler into hsdjax's cache (``-march=native``: it runs where it was
@@ -43,6 +45,7 @@ SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cc"))  # one library: matmul and cache attention
 TARGET = "hsdjax_panel_matmul"
 COMPRESSED_TARGET = "hsdjax_compressed_matmul"
+BF16_TARGET = "hsdjax_bf16_matmul"  # bfloat16 panels (a drafter's trained matrices: exact, half the bytes)
 ATTENTION_TARGET = "hsdjax_cache_attention"
 ATTENTION_F16_TARGET = "hsdjax_cache_attention_f16"  # the same over a float16 KV cache
 TREE_ATTENTION_TARGET = "hsdjax_tree_attention"  # cache and new tokens in position order (cpu_attention.cc)
@@ -98,6 +101,7 @@ def load() -> bool:
         lib = ctypes.CDLL(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HsdjaxPanelMatmul), platform="cpu")
         jax.ffi.register_ffi_target(COMPRESSED_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.HsdjaxBf16Matmul), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttention), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_F16_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttentionF16),
                                     platform="cpu")
@@ -126,6 +130,14 @@ def pack(w: Float[Array, "... K N"]) -> Float[Array, "... P K 32"]:
     """A [..., K, N] weight as N/32 contiguous panels of [K, 32]."""
     *lead, k, n = w.shape
     return jnp.swapaxes(w.reshape(*lead, k, n // PANEL, PANEL), -3, -2)
+
+
+def pack_exact(w: Float[Array, "... K N"]) -> Any:
+    """``pack(w)``, in bfloat16 when every value of ``w`` is a bfloat16 value (the kernel reads half the
+    bytes and computes the same float32 products), else float32."""
+    w = jnp.asarray(w, jnp.float32)
+    half = w.astype(jnp.bfloat16)
+    return pack(half if bool(jnp.all(half.astype(jnp.float32) == w)) else w)
 
 
 def unpack(wp: Float[Array, "... P K 32"]) -> Float[Array, "... K N"]:
@@ -282,6 +294,29 @@ def compress_weight(w: Float[Array, "... K N"], hint: Any = None) -> Any:
     return jnp.asarray(np.stack(parts).reshape(*lead, *parts[0].shape))
 
 
+def block_scales(wq: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """The per-column block scales and offsets [K / L, N] of compressed panels [N/32, K/L, B], and L."""
+    wq = np.asarray(wq)
+    p, kb, _ = wq.shape
+    bits = compressed_bits(wq)
+    header = np.ascontiguousarray(wq[..., :HEADER[bits]]).view(np.float32).reshape(p, kb, HEADER[bits] // 128, PANEL)
+    per_column = header.transpose(1, 2, 0, 3).reshape(kb, -1, p * PANEL)  # [KB, 1 | 2, N]
+    offset = per_column[:, 1] if bits == 4 else np.zeros_like(per_column[:, 0])
+    return per_column[:, 0], offset, BLOCK_ROWS[bits]
+
+
+def compress_columns(wq: Any, columns: Any, w: Float[Array, "K C"]) -> Any:
+    """Compressed panels of ``w``, the ``columns`` of the weight that ``wq`` holds compressed (e.g. a
+    drafter's rows of the target's LM head), from ``wq``'s own block scales; None when they do not
+    reproduce ``w`` exactly (then the caller keeps another format)."""
+    scale, offset, rows = block_scales(wq)
+    ids = np.asarray(columns)
+    if ids.min(initial=0) < 0 or ids.max(initial=0) >= scale.shape[1]:
+        return None
+    part = _encode(np.asarray(w, np.float32), scale[:, ids], offset[:, ids], rows)
+    return None if part is None else jnp.asarray(part)
+
+
 def compressed_bits(wq: Any) -> int:
     return 4 if wq.shape[-1] == BLOCK_BYTES[4] else 8
 
@@ -305,6 +340,10 @@ def is_compressed(wp: Any) -> bool:
     return jnp.dtype(wp.dtype) == jnp.uint8
 
 
+def is_bf16(wp: Any) -> bool:
+    return jnp.dtype(wp.dtype) == jnp.bfloat16
+
+
 # ------------------------------------------------------------------------------------------ the product
 
 
@@ -312,12 +351,13 @@ def panel_matmul_reference(x: Float[Array, "... K"], wp: Any) -> Float[Array, ".
     """``x @ unpack(wp)`` in jnp (the reference the kernel is tested against)."""
     if is_compressed(wp):
         wp = decompress(wp)
+    wp = wp.astype(jnp.float32)  # bfloat16 panels: exact
     y = jnp.einsum("...k,pkj->...pj", x, wp, preferred_element_type=jnp.float32)
     return y.reshape(*y.shape[:-2], -1)
 
 
 def panel_matmul(x: Float[Array, "... K"], wp: Any) -> Float[Array, "... N"]:
-    """``x @ unpack(wp)`` through the kernel, float32 or compressed panels (call ``load`` first)."""
+    """``x @ unpack(wp)`` through the kernel, float32, bfloat16 or compressed panels (call ``load`` first)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:
@@ -326,6 +366,8 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any) -> Float[Array, "... N"]:
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     if is_compressed(wp):
         y = jax.ffi.ffi_call(COMPRESSED_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
+    elif is_bf16(wp):
+        y = jax.ffi.ffi_call(BF16_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
     else:
         y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32),
                                                                    wp.astype(jnp.float32))

@@ -153,6 +153,44 @@ def test_compressed_products_are_bitwise_the_float32_ones(kernel, bits):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_bfloat16_panels_give_the_float32_panels_products_bitwise(kernel):
+    """A matrix whose values are bfloat16 values (a drafter checkpoint's) is packed in bfloat16: the
+    kernel widens each value exactly, so every row count (8-row tiles and the decoded sweep past 8)
+    gives the float32 panels' bits; anything else stays float32."""
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((200, 96), np.float32)).astype(jnp.bfloat16).astype(jnp.float32)
+    wb, wp = cpu_matmul.pack_exact(w), cpu_matmul.pack(w)
+    assert wb.dtype == jnp.bfloat16 and wb.shape == wp.shape
+    x = jnp.asarray(rng.standard_normal((19, 200), np.float32))
+    whole = np.asarray(jax.jit(cpu_matmul.panel_matmul)(x, wb))
+    assert np.array_equal(whole, np.asarray(cpu_matmul.panel_matmul(x, wp)))
+    for lo, hi in ((0, 1), (3, 5), (0, 8), (4, 19)):
+        assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x[lo:hi], wb)), whole[lo:hi])
+    np.testing.assert_allclose(np.asarray(cpu_matmul.panel_matmul_reference(x, wb)), np.asarray(x @ w),
+                               rtol=1e-5, atol=1e-4)
+    off = w.at[7, 3].add(1e-3)  # one value that is not a bfloat16 value
+    assert cpu_matmul.pack_exact(off).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_subset_of_columns_compresses_with_the_weights_own_scales(kernel, bits):
+    """A drafter's head is some rows of the target's LM head: its panels are built from the target's
+    compressed panels' block scales and give the same products as float32 panels of those columns."""
+    rng = np.random.default_rng(10 + bits)
+    w = block_quantized(rng, 128, 320, bits)
+    wq = cpu_matmul.compress_weight(jnp.asarray(w))
+    ids = np.sort(rng.choice(320, 64, replace=False))
+    sub = cpu_matmul.compress_columns(wq, ids, jnp.asarray(w[:, ids]))
+    assert sub is not None and cpu_matmul.compressed_bits(sub) == bits and sub.shape[0] == 2
+    assert np.array_equal(np.asarray(cpu_matmul.unpack(cpu_matmul.decompress(sub))), w[:, ids])
+    x = jnp.asarray(rng.standard_normal((3, 128), np.float32))
+    assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x, sub)),
+                          np.asarray(cpu_matmul.panel_matmul(x, cpu_matmul.pack(jnp.asarray(w[:, ids])))))
+    other = w[:, ids].copy()
+    other[0, 0] += 1.0  # not those columns: refused, the caller keeps float32
+    assert cpu_matmul.compress_columns(wq, ids, jnp.asarray(other)) is None
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_model_equals_the_unpacked_one(kernel, tied):
     cfg = PANEL_LLAMA.replace(tie_embeddings=tied)

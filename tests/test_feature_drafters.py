@@ -239,8 +239,13 @@ def test_shipped_drafters_load_for_the_default_model(smollm, method):
     assert len(jax.tree_util.tree_leaves(dparams["net"])) >= 12  # every weight came back, nested as trained
     v, e = drafter.cfg.vocab, smollm.cfg.hidden_size
     if smollm.cfg.cpu_matmul:  # the drafter runs on the target's CPU kernel: its matrices as panels
-        assert dparams["head"].shape == (v // 32, e, 32)
-        assert dparams["net"]["layer"]["wq"].ndim == 3 and dparams["net"]["fuse_norm"].ndim == 2
+        from hsdjax.kernels.cpu_matmul import is_bf16, is_compressed
+        head, wq = dparams["head"], dparams["net"]["layer"]["wq"]
+        assert head.shape[0] == v // 32 and wq.ndim == 3 and dparams["net"]["fuse_norm"].ndim == 2
+        if is_compressed(smollm.params["head_panels"]):  # lean: the head in the target's codes, the net bf16
+            assert is_compressed(head) and is_bf16(wq)
+        else:
+            assert head.shape == (v // 32, e, 32) and head.dtype == jnp.float32
     else:
         assert dparams["head"].shape == (v, e)
 
@@ -337,3 +342,20 @@ def test_drafter_on_cpu_panels_equals_plain_matrices(method):
         return model.apply({"params": p}, out, h, method=FeatureDrafterNet.logits)
 
     np.testing.assert_allclose(np.asarray(run(pnet, phead)), np.asarray(run(net, head)), rtol=2e-4, atol=2e-4)
+
+    # a checkpoint's values are bfloat16 and its head is rows of the target's (block-quantized) head:
+    # beside a compressed target the matrices pack in bfloat16 and the head compressed like the
+    # target's, with the float32 panels' bits
+    rounded = jax.tree_util.tree_map(lambda v: v.astype(jnp.bfloat16).astype(jnp.float32), net)
+    rng = np.random.default_rng(5)
+    scale = rng.uniform(1e-3, 5e-2, (fc.hidden // 32, 1, 256)).astype(np.float16).astype(np.float32)
+    codes = rng.integers(-127, 128, (fc.hidden // 32, 32, 256)).astype(np.float32)
+    codes[:, 0] = 127  # a block's largest magnitude (what the scale search finds the scale from)
+    target_head = (scale * codes).reshape(fc.hidden, 256).T  # [V, E] as a Q8_0 file dequantizes to
+    ids = np.sort(rng.choice(256, fc.vocab, replace=False))
+    rows = jnp.asarray(target_head[ids])
+    lean_net, lean_head = pack_for_cpu(rounded, rows, cpu_matmul.compress_weight(jnp.asarray(target_head.T)), ids)
+    wide_net, wide_head = pack_for_cpu(rounded, rows)
+    assert lean_net["layer"]["w_down"].dtype == jnp.bfloat16 and cpu_matmul.is_compressed(lean_head)
+    assert wide_head.dtype == wide_net["layer"]["w_down"].dtype == jnp.float32  # float32 target: float32 drafter
+    assert np.array_equal(np.asarray(run(lean_net, lean_head)), np.asarray(run(wide_net, wide_head)))

@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.drafters.base import Drafter, layer_macs
 from hsdjax.drafters.pld import PromptLookupDrafter, lookup_continuations
-from hsdjax.kernels.cpu_matmul import PANEL, pack, panel_matmul
+from hsdjax.kernels.cpu_matmul import PANEL, compress_columns, is_compressed, pack, pack_exact, panel_matmul
 from hsdjax.kernels.tree_attention import REFERENCE_BLOCK_S, attention_fn
 from hsdjax.model import apply_rope, rms_norm, rope_tables
 from hsdjax.tree import DraftTree, graft_chain
@@ -77,9 +77,10 @@ def _init(scale: float = 0.02):
 
 
 # The network's matrices ([K, N], used as ``x @ w``). With the target on the CPU matmul kernel they are
-# stored as float32 panels ``[N / 32, K, 32]`` (``pack_for_cpu``) and multiplied by the kernel: the
-# drafter's small-M products then run at the kernel's speed instead of XLA's (same values up to the
-# order of additions; the drafter's numbers never change the output, only how much of it is accepted).
+# stored as panels ``[N / 32, K, 32]`` (``pack_for_cpu``; bfloat16 where their values are, as a
+# checkpoint's are) and multiplied by the kernel: the drafter's small-M products then run at the
+# kernel's speed instead of XLA's (same values up to the order of additions; the drafter's numbers never
+# change the output, only how much of it is accepted).
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fuse", "fc", "g_in", "g_out", "g_scale", "g_shift",
             "lift")
 
@@ -89,15 +90,26 @@ def matmul(x: Float[Array, "... K"], w: Any) -> Float[Array, "... N"]:
     return panel_matmul(x, w) if w.ndim == 3 else x @ w
 
 
-def pack_for_cpu(net: dict[str, Any], head: Float[Array, "V E"]) -> tuple[dict[str, Any], Any]:
-    """The network's matrices and the draft head as float32 panels for the CPU kernel (where their
-    widths are whole panels; the rest stay as they are). The head becomes the panels of ``head.T``."""
+def pack_for_cpu(net: dict[str, Any], head: Float[Array, "V E"], target_head: Any = None,
+                 vocab_ids: Int[Array, " V"] | None = None) -> tuple[dict[str, Any], Any]:
+    """The network's matrices and the draft head as panels for the CPU kernel (where their widths are
+    whole panels; the rest stay as they are); the head becomes the panels of ``head.T``. As float32
+    panels, unless the target's own head is compressed (``target_head``, its panels: the model was
+    loaded with compressed weights): then matrices whose values are bfloat16 values (a checkpoint's)
+    are stored in bfloat16, and the head, when it is exactly the target head's ``vocab_ids`` rows,
+    compressed with that head's block scales. Either way the products are the float32 panels' bits."""
+    lean = target_head is not None and is_compressed(target_head)
+    to_panels = pack_exact if lean else lambda v: pack(jnp.asarray(v, jnp.float32))
+
     def walk(d: dict[str, Any]) -> dict[str, Any]:
         return {k: walk(v) if isinstance(v, dict) else
-                pack(jnp.asarray(v, jnp.float32)) if k in MATRICES and v.ndim == 2 and v.shape[1] % PANEL == 0 else v
+                to_panels(v) if k in MATRICES and v.ndim == 2 and v.shape[1] % PANEL == 0 else v
                 for k, v in d.items()}
-    packed_head = pack(jnp.asarray(head, jnp.float32).T) if head.shape[0] % PANEL == 0 else head
-    return walk(net), packed_head
+    if head.shape[0] % PANEL:
+        return walk(net), head
+    head_t = jnp.asarray(head, jnp.float32).T
+    packed = compress_columns(target_head, vocab_ids, head_t) if lean and vocab_ids is not None else None
+    return walk(net), to_panels(head_t) if packed is None else packed
 
 
 def _matrix(mod: nn.Module, name: str, init: Any, shape: tuple[int, int]) -> Any:
