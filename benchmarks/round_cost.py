@@ -43,6 +43,9 @@ What is measured (each a ratio to the ``ar`` round of the same run at the same c
     - ``other_ms`` = round - drafter - target: what the combination costs beyond its parts (the tier
       switch and any copies of the loop state it causes). It is a difference of medians: on a noisy
       machine it can come out negative; compare it with the spread of ``ms_all``.
+* ``hsd-f32`` / ``eagle-f32`` (not in the default parts): the same drafter with its panels widened to
+  float32, as drafters loaded before their lean (bfloat16 / compressed) panels: an A/B of the bytes a
+  drafter reads per round, in the same run.
 * ``speeds`` (not in the default parts): end-to-end decode tokens/s of ``--speed-methods`` (ar, pld,
   hsd) for ``--max-new`` new tokens after the ``--context`` prompt, through the same engine calls
   (used by ``benchmarks/accelerator_check.sh``).
@@ -99,7 +102,7 @@ TEXT = (
     "of a paragraph and returns the ten most common ones with their counts. "
 )
 
-PARTS = ("ar", "tree", "long", "hsd", "eagle", "speeds")
+PARTS = ("ar", "tree", "long", "hsd", "eagle", "hsd-f32", "eagle-f32", "speeds")
 DEFAULT_PARTS = "ar,tree,long,hsd,eagle"
 
 
@@ -249,6 +252,22 @@ def feature_drafter(target: Target, method: str, seed: int = 0) -> tuple[Any, An
     net = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), net)  # as load_drafter gives them
     dparams = bind(net, np.arange(fc.vocab, dtype=np.int32), target.params, mc)
     return build_feature_drafter(method, fc, layers, **DEFAULTS[method]), dparams
+
+
+def float32_panels(dparams: Any) -> Any:
+    """A feature drafter's params with bfloat16 and compressed panels widened to float32 panels (equal
+    products, 2-4x the bytes): the drafter as it loaded before its lean panels, for A/B timing."""
+    import jax
+    import jax.numpy as jnp
+
+    from hsdjax.kernels.cpu_matmul import decompress, is_bf16, is_compressed
+
+    def widen(a: Any) -> Any:
+        if getattr(a, "ndim", 0) == 3 and is_compressed(a):
+            return decompress(a)
+        return a.astype(jnp.float32) if getattr(a, "ndim", 0) == 3 and is_bf16(a) else a
+
+    return {**dparams, "net": jax.tree_util.tree_map(widen, dparams["net"]), "head": widen(dparams["head"])}
 
 
 def pld_drafter(target: Target) -> tuple[Any, Any]:
@@ -488,6 +507,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - e.g. no shipped drafter for this model: skip with a note
                 feature[m] = e
                 progress(f"skipping {m}: {e}")
+    for m in ("hsd", "eagle"):  # the same drafter with its panels widened to float32 (as loaded before lean panels)
+        if f"{m}-f32" in parts and not isinstance(feature.get(m, None), Exception):
+            fd = feature.get(m) or feature_drafter(target, m, args.seed)
+            feature[f"{m}-f32"] = (fd[0], float32_panels(fd[1]))
     keep = tuple(sorted({i for d in feature.values() if not isinstance(d, Exception) for i in d[0].layers}))
 
     result: dict[str, Any] = {"ar_ms": None, "ratios": {}, "long_ratios": {}, "buckets": {}, "hsd": None,
@@ -519,7 +542,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     want_tree = "tree" in parts
-    if parts & {"ar", "tree", "hsd", "eagle"}:
+    if parts & {"ar", "tree", "hsd", "eagle", "hsd-f32", "eagle-f32"}:
         for bucket in args.buckets:
             extra = []
             if bucket == args.main_bucket:
@@ -574,8 +597,8 @@ def split_feature(bench: Bench, p: Program, tp: Program, table: list, ar_info: d
     if hasattr(p.drafter, "policy"):
         out["settings"]["policy"] = p.drafter.policy
     ctx, bucket = str(int(p.state0.gen.prompt_len[0])), str(int(p.state0.gen.seq.shape[1]))
-    table.append((ctx, bucket, f"{p.drafter.name} drafter alone", {"ms": drafter_ms}, ar_info))
-    table.append((ctx, bucket, f"{p.drafter.name} other", {"ms": out["other_ms"]}, ar_info))
+    table.append((ctx, bucket, f"{p.label} drafter alone", {"ms": drafter_ms}, ar_info))
+    table.append((ctx, bucket, f"{p.label} other", {"ms": out["other_ms"]}, ar_info))
     return out
 
 
@@ -630,7 +653,7 @@ def print_table(result: dict[str, Any]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
         print("  ".join(c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    for name in ("hsd", "eagle"):
+    for name in ("hsd", "eagle", "hsd-f32", "eagle-f32"):
         s = result.get(name)
         if s and "round_ms" in s:
             print(f"{name}: round {s['round_ms']:.3f} ms ({s['round_ratio']:.2f}x ar) = drafter {s['drafter_ms']:.3f} "
@@ -683,7 +706,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--config needs --random-weights")
     if args.rounds < 1 or args.repeats < 1:
         p.error("--rounds and --repeats must be at least 1")
-    if set(args.parts) & {"hsd", "eagle"} and args.main_bucket not in args.buckets:
+    if set(args.parts) & {"hsd", "eagle", "hsd-f32", "eagle-f32"} and args.main_bucket not in args.buckets:
         args.buckets = sorted(set(args.buckets) | {args.main_bucket})
     if args.main_bucket not in args.buckets:
         args.main_bucket = args.buckets[0]
