@@ -290,28 +290,28 @@ ffi::Error RunChunks(ffi::ThreadPool& pool, const Work& all) {
   return ffi::Error::Success();
 }
 
-ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
-                       ffi::ResultBuffer<ffi::F32> y) {
+// Float32 or bfloat16 panels [N/32, K, 32]: one row of 32 values per k, `bits` wide each.
+template <ffi::DataType T>
+ffi::Error WidePanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> wp,
+                           ffi::ResultBuffer<ffi::F32> y, int bits, const char* bad_shape) {
   auto xd = x.dimensions();
   auto wd = wp.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("hsdjax panel matmul: expects x [M, K] and panels [N/32, K, 32]");
+    return ffi::Error::InvalidArgument(bad_shape);
   }
   const int64_t m = xd[0], k = xd[1], panels = wd[0];
-  return RunChunks(pool, Work{x.typed_data(), m, k, wp.typed_data(), k * kPanel * 4, 32, 0, panels, y->typed_data(),
-                        panels * kPanel});
+  return RunChunks(pool, Work{x.typed_data(), m, k, wp.untyped_data(), k * kPanel * (bits / 8), bits, 0, panels,
+                              y->typed_data(), panels * kPanel});
+}
+
+ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  return WidePanelMatmul(pool, x, wp, y, 32, "hsdjax panel matmul: expects x [M, K] and panels [N/32, K, 32]");
 }
 
 ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> wb,
                       ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions();
-  auto wd = wb.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("hsdjax bfloat16 matmul: expects x [M, K] and panels [N/32, K, 32]");
-  }
-  const int64_t m = xd[0], k = xd[1], panels = wd[0];
-  return RunChunks(pool, Work{x.typed_data(), m, k, wb.untyped_data(), k * kPanel * 2, 16, 0, panels,
-                              y->typed_data(), panels * kPanel});
+  return WidePanelMatmul(pool, x, wb, y, 16, "hsdjax bfloat16 matmul: expects x [M, K] and panels [N/32, K, 32]");
 }
 
 ffi::Error CompressedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
