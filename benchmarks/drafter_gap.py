@@ -7,7 +7,7 @@ drafter in the decoding loop (``--lookup 0``, depth 1) on the same question. If 
 acceptance matches the training metric's step 1 on the same text, inference reproduces training and
 acceptance is limited by the drafter itself:
 
-    python benchmarks/drafter_gap.py --method hsd --limit 2 --max-new-tokens 128
+    python benchmarks/drafter_gap.py --method hsd --limit 2 --max-new-tokens 128 [--drafter PATH]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--method", choices=("hsd", "eagle"), default="hsd")
     ap.add_argument("--limit", type=int, default=2, help="questions per dev set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--drafter", default=None, help="a drafter checkpoint (default: the shipped one)")
     args = ap.parse_args()
 
     from hsdjax.api import Generator, load_model
@@ -43,14 +44,15 @@ def main() -> None:
     rows = [recorder.encode_prompt(q.turns[0]) for _, q in questions]
     rec = generate_recorded(recorder, rows, args.max_new_tokens, 0.0, seed=0)
     rec["states"] = rec["states"].view(ml_dtypes.bfloat16)
-    cfg, _, dparams, _ = load_drafter(shipped_path(model.name, args.method), model, args.method)
+    path = args.drafter or shipped_path(model.name, args.method)
+    cfg, _, dparams, _ = load_drafter(path, model, args.method)
     full = frozen_from_target(model)
     ids = np.asarray(dparams["vocab_ids"])
     frozen = {"embed": full["embed"], "head": jnp.take(full["head_full"], jnp.asarray(ids), axis=0),
               "final_norm": full["final_norm"]}
     vocab_map = np.full((full["embed"].shape[0],), -1, np.int32)
     vocab_map[ids] = np.arange(len(ids), dtype=np.int32)
-    gen = Generator(model, args.method, lookup=0, depth=1, budget=1)
+    gen = Generator(model, args.method, lookup=0, depth=1, budget=1, drafter=str(path))
     print(f"{args.method}: training metric (top-1 agreement at rollout steps 1-4) vs the decoding loop's "
           "first-draft acceptance, same answers")
     for i, (name, q) in enumerate(questions):

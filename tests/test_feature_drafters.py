@@ -3,6 +3,8 @@ really happens, counters add up, checkpoints bind only to their target, training
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -133,6 +135,21 @@ def test_hsd_chain_ahead_is_lossless_and_keeps_states_for_later_rounds(target):
         reused[ahead] = int(s.reused_states.sum())
         assert np.all(s.drafter_states <= s.target_passes * (1 + ahead + 1))  # ingest + at most the chain's steps
     assert reused[0] == 0 and reused[2] > 0, reused
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["1x1", "5x3"])
+def test_hsd_with_a_context_read_in_g_is_lossless(both_targets, tree):
+    """``attn`` injection (g also attends to the verified context) keeps greedy output equal to `ar`,
+    over two decode calls, with reuse (the chain stays token-free) and a lookup graft."""
+    cfg, params = both_targets
+    prompts = prompts_of(11, cfg.vocab_size, 3)
+    want = run_engine(cfg, params, prompts, 30)
+    drafter, dparams = feature_drafter(cfg, params, "hsd", seed=3, injection="attn", policy="reuse", lookup=3, **tree)
+    assert {"g_q", "g_o"} <= set(dparams["net"])
+    got, state = run_engine(cfg, params, prompts, 30, drafter=drafter, dparams=dparams, chunks=[4, 30],
+                            return_state=True)
+    assert got == want
+    assert np.all(np.asarray(state.stats.drafter_macs) > 0)
 
 
 @pytest.mark.parametrize("policy", ["reuse", "refresh", "min2"])
@@ -279,10 +296,26 @@ def test_drafter_macs_count_what_xla_computes():
     kv = jnp.ones((1, keys, fc.kv_heads, fc.head_dim))
     want = 2 * t * layer_macs(fc.hidden, fc.heads, fc.kv_heads, fc.head_dim, fc.mlp, keys)
     assert 0.97 * want <= flops(layer, p, x, kv, kv) <= 1.1 * want
-    drafter = HSDDrafter(cfg=fc, layers=(0, 1, 2))
-    want = 2 * t * (drafter._inject_macs() + drafter._head_macs())
-    got = flops(out_piece, p, x, jnp.ones((1, t, fc.inject_tokens, fc.hidden)), jnp.ones((fc.vocab, fc.hidden)))
-    assert 0.97 * want <= got <= 1.1 * want
+    for injection in ("mlp", "attn"):  # ``attn``: g's query, its read of ``keys`` context positions, its output
+        fc_g = dataclasses.replace(fc, injection=injection)
+        net_g, p_g = FeatureDrafterNet(fc_g), init_net(fc_g, 0)
+
+        def out_piece(p, x, embs, head, ctx_k, ctx_v):
+            context = None
+            if injection == "attn":
+                q = net_g.apply({"params": p}, x, embs, jnp.zeros(x.shape[:2], jnp.int32),
+                                method=FeatureDrafterNet.inject_query)
+                q = q.reshape(1, t, fc.kv_heads, fc.heads // fc.kv_heads, fc.head_dim)
+                s = jax.nn.softmax(jnp.einsum("btkgd,bskd->btkgs", q, ctx_k), axis=-1)
+                context = jnp.einsum("btkgs,bskd->btkgd", s, ctx_v).reshape(1, t, fc.heads, fc.head_dim)
+            g = net_g.apply({"params": p}, x, embs, context, method=FeatureDrafterNet.inject)
+            return net_g.apply({"params": p}, g, head, method=FeatureDrafterNet.logits)
+
+        drafter = HSDDrafter(cfg=fc_g, layers=(0, 1, 2))
+        want = 2 * t * (drafter._inject_macs(keys) + drafter._head_macs())
+        got = flops(out_piece, p_g, x, jnp.ones((1, t, fc.inject_tokens, fc.hidden)), jnp.ones((fc.vocab, fc.hidden)),
+                    kv, kv)
+        assert 0.97 * want <= got <= 1.1 * want, injection
 
 
 def test_drafter_macs_accumulate_per_method(target):

@@ -62,11 +62,12 @@ def test_recorded_states_match_a_teacher_forced_pass(recorded):
     assert np.array_equal(data["top_ids"][doc0][:, 0], logits.argmax(-1))
 
 
-@pytest.mark.parametrize("method", ["hsd", "eagle"])
+@pytest.mark.parametrize("method", ["hsd", "eagle", "hsd-attn"])
 def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
     params, layers, prompts, data = recorded
+    method, _, injection = method.partition("-")  # hsd-attn: g also reads the context
     fc = FeatureConfig(method=method, hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64,
-                       vocab=64, rope_theta=CFG.rope_theta)
+                       vocab=64, rope_theta=CFG.rope_theta, injection=injection or "mlp")
     vocab_ids, frozen_np = frozen_pieces(params, data, fc)
     opts = dict(window=32, batch=8, rollout=3, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=30)
     logs = []
@@ -279,3 +280,6 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
         path.write_text(json.dumps({**good, section: {key: 1}}))
         with pytest.raises(HsdjaxError, match=f"unknown {section} setting.*'{key}'.*known:"):
             read_config(path)
+    path.write_text(json.dumps({**good, "drafter": {"injection": "atn"}}))
+    with pytest.raises(HsdjaxError, match="injection 'atn': expected one of mlp, film, attn"):
+        read_config(path)

@@ -7,7 +7,7 @@ feeds the previous step's outputs back (``hsd``: the output itself; ``eagle``: w
 the next true token) at position t+s-1; each query attends to the true context up to t and to its
 own earlier rollout inputs, exactly what the drafter sees at inference. At each step the loss is a
 soft cross-entropy against the target's top-k distribution over the draft vocabulary (``hsd``:
-through ``g`` with the true path tokens) plus a smooth-L1 regression to the target's final state,
+through ``g`` with the true path tokens; ``attn`` injection: ``g`` also reads the true context up to t) plus a smooth-L1 regression to the target's final state,
 weighted by ``step_decay ** (s-1)``; prompt tokens are weighted by ``prompt_weight``. With
 ``feature_noise`` = a > 0, training (not evaluation) adds uniform noise in [-a, a] times each state's
 root mean square to the target states the drafter reads (never to the states it must predict), so
@@ -124,7 +124,11 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
         w = _shift(weight, s) * ok
         if cfg.method == "hsd":
             path = jnp.stack([_shift(tokens, s), _shift(tokens, s - 1)], axis=-1)[..., : cfg.inject_tokens]
-            logits = call(FeatureDrafterNet.logits, call(FeatureDrafterNet.inject, out, emb(path)), head)
+            context = None
+            if cfg.injection == "attn":  # g reads the true context (up to t) at the injected token's position
+                query = call(FeatureDrafterNet.inject_query, out, emb(path), pos + s)
+                context = rollout_attention(query, k_true, v_true, mask, [], [])
+            logits = call(FeatureDrafterNet.logits, call(FeatureDrafterNet.inject, out, emb(path), context), head)
         else:
             logits = call(FeatureDrafterNet.logits, out, head)
         logp = jax.nn.log_softmax(logits, axis=-1)

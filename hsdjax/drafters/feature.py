@@ -8,8 +8,11 @@ how tokens enter:
 * ``hsd`` (hidden-state drafting): the layer's input is a fused target state or the layer's own
   previous output; no token embedding enters the chain. Tokens are injected late by ``g``, which
   turns a predicted state plus the embeddings of the path's last tokens into a state for the head.
-  Two forms of ``g``: ``mlp`` (residual MLP over the concatenation) and ``film`` (a gated scale and
-  shift computed from the token embeddings).
+  Three forms of ``g``: ``mlp`` (residual MLP over the concatenation), ``film`` (a gated scale and
+  shift computed from the token embeddings), and ``attn``: ``mlp`` plus one attention read of the
+  verified context (the layer's cached keys and values) with a query made from the predicted state and
+  the injected tokens, so the injected token can look up where it occurred before and what followed
+  (what ``eagle``'s layer does with its token-fed query), while the chain itself stays token-free.
 * ``eagle`` (token-conditioned features): the layer's input is ``fc([feature; embedding of the next
   token])``, so every tree node needs its own pass of the layer.
 
@@ -52,7 +55,7 @@ class FeatureConfig:
     mlp: int
     vocab: int  # draft vocabulary size
     fused: int = 3  # number of target layers fused at the input
-    injection: str = "mlp"  # hsd: "mlp" | "film"
+    injection: str = "mlp"  # hsd: "mlp" | "film" | "attn"
     inject_tokens: int = 2  # hsd: embeddings of the path's last tokens given to g
     head_delta: bool = False  # a trained [V, E] correction to the frozen head rows (``HEAD_DELTA``)
     width: int = 0  # the drafter's own width W (0: the target's E); W < E adds ``lift`` [W, E] before the head
@@ -82,7 +85,7 @@ def _init(scale: float = 0.02):
 # kernel's speed instead of XLA's (same values up to the order of additions; the drafter's numbers never
 # change the output, only how much of it is accepted).
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fuse", "fc", "g_in", "g_out", "g_scale", "g_shift",
-            "lift")
+            "g_q", "g_o", "lift")
 
 
 def matmul(x: Float[Array, "... K"], w: Any) -> Float[Array, "... N"]:
@@ -177,9 +180,12 @@ class FeatureDrafterNet(nn.Module):
         self.layer = DraftLayer(c)
         if c.method == "eagle":
             self.fc = _matrix(self, "fc", _init(), (w + e, w))
-        elif c.injection == "mlp":
+        elif c.injection in ("mlp", "attn"):
             self.g_in = _matrix(self, "g_in", _init(), (w + c.inject_tokens * e, w))
             self.g_out = _matrix(self, "g_out", _init(0.01), (w, w))
+            if c.injection == "attn":
+                self.g_q = _matrix(self, "g_q", _init(), (w + c.inject_tokens * e, c.heads * c.head_dim))
+                self.g_o = _matrix(self, "g_o", _init(0.01), (c.heads * c.head_dim, w))
         elif c.injection == "film":
             width = c.inject_tokens * e
             self.g_scale = _matrix(self, "g_scale", _init(0.01), (width, w))
@@ -207,13 +213,30 @@ class FeatureDrafterNet(nn.Module):
         return self.layer.finish(x, attn)
 
     # -- outputs
-    def inject(self, state: Float[Array, "... W"], token_embs: Float[Array, "... N E"]) -> Float[Array, "... W"]:
-        """``g``: a predicted state plus the embeddings of the path's last tokens (newest first)."""
-        c = self.cfg
+    def _g_input(self, state: Float[Array, "... W"], token_embs: Float[Array, "... N E"]) -> Float[Array, "... G"]:
         flat = token_embs.reshape(*token_embs.shape[:-2], -1)
-        if c.injection == "mlp":
-            y = jnp.concatenate([rms_norm(state, jnp.ones((state.shape[-1],), state.dtype), c.eps), flat], axis=-1)
-            return state + matmul(jax.nn.silu(matmul(y, self.g_in)), self.g_out)
+        return jnp.concatenate([rms_norm(state, jnp.ones((state.shape[-1],), state.dtype), self.cfg.eps), flat], axis=-1)
+
+    def inject_query(self, state: Float[Array, "B T W"], token_embs: Float[Array, "B T N E"],
+                     positions: Int[Array, "B T"]) -> Float[Array, "B T H D"]:
+        """``attn`` injection: the query [B, T, H, D] of the context read, at the injected token's position."""
+        c = self.cfg
+        b, t = state.shape[:2]
+        q = matmul(self._g_input(state, token_embs), self.g_q).reshape(b, t, c.heads, c.head_dim)
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        return apply_rope(q, cos, sin)
+
+    def inject(self, state: Float[Array, "... W"], token_embs: Float[Array, "... N E"],
+               context: Float[Array, "... H D"] | None = None) -> Float[Array, "... W"]:
+        """``g``: a predicted state plus the embeddings of the path's last tokens (newest first); with
+        ``attn`` injection also ``context``, the attention read of ``inject_query``'s query."""
+        c = self.cfg
+        if c.injection in ("mlp", "attn"):
+            out = state + matmul(jax.nn.silu(matmul(self._g_input(state, token_embs), self.g_in)), self.g_out)
+            if c.injection == "attn":
+                out = out + matmul(context.reshape(*context.shape[:-2], -1), self.g_o)
+            return out
+        flat = token_embs.reshape(*token_embs.shape[:-2], -1)
         return state * (1 + jnp.tanh(matmul(flat, self.g_scale))) + matmul(flat, self.g_shift)
 
     def to_target(self, state: Float[Array, "... W"]) -> Float[Array, "... E"]:
@@ -234,7 +257,8 @@ class FeatureDrafterNet(nn.Module):
         q, k, v = self.project(x, positions)
         out = self.finish(x, q)
         if self.cfg.method == "hsd":
-            out = self.inject(out, tokens_emb)
+            context = self.inject_query(out, tokens_emb, positions) if self.cfg.injection == "attn" else None
+            out = self.inject(out, tokens_emb, context)
         return self.to_target(out)
 
 
@@ -310,6 +334,14 @@ def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array]
     return net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
 
 
+def context_read(q: Float[Array, "B T H D"], ctx: dict[str, Array], attention: str = "auto") -> Float[Array, "B T H D"]:
+    """Queries ``q`` attend to the verified context alone (the ``attn`` injection's read): one local
+    slot of zeros, masked out, stands for the local keys the attention functions expect."""
+    b, t = q.shape[:2]
+    none = jnp.zeros((b, 1, ctx["k"].shape[1], ctx["k"].shape[3]), jnp.float32)
+    return attention_fn(attention)(q, ctx["k"], ctx["v"], ctx["len"], none, none, jnp.zeros((b, t, 1), bool))
+
+
 @dataclasses.dataclass(frozen=True)
 class FeatureDrafter(Drafter):
     """Settings shared by `hsd` and `eagle`: the network's config, the fused target layers, and the
@@ -366,13 +398,17 @@ class FeatureDrafter(Drafter):
         c = self.cfg
         return c.hidden * c.vocab + (c.state_width * c.hidden if c.narrow else 0)
 
-    def _inject_macs(self) -> int:
-        """``g`` for one node (``hsd``)."""
+    def _inject_macs(self, keys: Any = 0) -> Any:
+        """``g`` for one node (``hsd``); ``attn`` injection reads ``keys`` context positions."""
         c = self.cfg
         w, e = c.state_width, c.hidden
-        if c.injection == "mlp":
-            return (w + c.inject_tokens * e) * w + w * w
-        return 2 * c.inject_tokens * e * w
+        if c.injection == "film":
+            return 2 * c.inject_tokens * e * w
+        macs = (w + c.inject_tokens * e) * w + w * w
+        if c.injection == "attn":
+            hd = c.heads * c.head_dim
+            macs = macs + (w + c.inject_tokens * e) * hd + hd * w + 2 * hd * keys
+        return macs
 
     def _input_macs(self) -> int:
         """Fusing the target states of one position (``eagle`` also mixes in a token embedding)."""

@@ -29,7 +29,8 @@ from jaxtyping import Array, Float, Int
 
 from hsdjax.drafters.base import DraftCost
 from hsdjax.drafters.dynamic_tree import grow_tree
-from hsdjax.drafters.feature import FeatureDrafter, FeatureDrafterNet, attend_and_finish, init_context, ingest
+from hsdjax.drafters.feature import (FeatureDrafter, FeatureDrafterNet, attend_and_finish, context_read, init_context,
+                                     ingest)
 
 POLICIES = ("reuse", "refresh", "min1", "min2", "min3")
 
@@ -112,18 +113,23 @@ class HSDDrafter(FeatureDrafter):
         prev = jnp.take_along_axis(gen.seq, jnp.maximum(gen.seq_len - 2, 0)[:, None], axis=1)[:, 0]
         embed, head = dparams["embed"], dparams["head"]
 
-        def inject_logp(state_vec, tokens, parent_tokens):  # [B, E], [B, K], [B, K] -> [B, K, V]
+        def inject_logp(state_vec, tokens, parent_tokens, d):  # [B, E], [B, K], [B, K] -> [B, K, V]
             toks = jnp.stack([tokens, parent_tokens], axis=-1)[..., : self.cfg.inject_tokens]
             embs = net.apply({"params": p}, embed, toks, method=FeatureDrafterNet.embed)
             s = jnp.broadcast_to(state_vec[:, None, :], (*tokens.shape, state_vec.shape[-1]))
-            g = net.apply({"params": p}, s, embs, method=FeatureDrafterNet.inject)
+            context = None
+            if self.cfg.injection == "attn":  # the tokens sit at position ctx.len + d (chain[d]'s)
+                pos = jnp.broadcast_to((st.ctx["len"] + d)[:, None], tokens.shape)
+                q = net.apply({"params": p}, s, embs, pos, method=FeatureDrafterNet.inject_query)
+                context = context_read(q, st.ctx, self.attention)
+            g = net.apply({"params": p}, s, embs, context, method=FeatureDrafterNet.inject)
             return jax.nn.log_softmax(net.apply({"params": p}, g, head, method=FeatureDrafterNet.logits), axis=-1)
 
-        first = inject_logp(st.chain[:, 0], root[:, None], prev[:, None])[:, 0]
+        first = inject_logp(st.chain[:, 0], root[:, None], prev[:, None], 0)[:, 0]
 
         def children(d, tokens, slots, parent_idx, prev_tokens):
             parent_tokens = jnp.take_along_axis(prev_tokens, parent_idx, axis=1)
-            return inject_logp(st.chain[:, d], tokens, parent_tokens), tokens
+            return inject_logp(st.chain[:, d], tokens, parent_tokens, d), tokens
 
         tree, _, _ = grow_tree(root, first, children, root[:, None], dparams["vocab_ids"], self.depth,
                                self.width, self.budget, self.min_prob)
@@ -133,7 +139,7 @@ class HSDDrafter(FeatureDrafter):
         tree = self.graft_lookup(tree, gen)
         heads = 1 + (self.depth - 1) * self.width  # g + head for the root and each depth's frontier
         macs = (steps * self._layer_macs(gen.seq_len.astype(jnp.float32) + self.depth + self.ahead)
-                + heads * (self._inject_macs() + self._head_macs()))
+                + heads * (self._inject_macs(gen.seq_len.astype(jnp.float32)) + self._head_macs()))
         # +1 pass: the ingest after verification
         cost = DraftCost(passes=steps + 1, states=steps + 1, reused=reused, macs=macs.astype(jnp.float32))
         return tree, st.replace(fresh=jnp.zeros_like(st.fresh)), cost
