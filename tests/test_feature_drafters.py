@@ -285,10 +285,6 @@ def test_drafter_macs_count_what_xla_computes():
         attn = jnp.einsum("btkgs,bskd->btkgd", s, ctx_v).reshape(1, t, fc.heads, fc.head_dim)
         return net.apply({"params": p}, x, attn, method=FeatureDrafterNet.finish), k, v  # k, v: cached
 
-    def out_piece(p, x, embs, head):
-        g = net.apply({"params": p}, x, embs, method=FeatureDrafterNet.inject)
-        return net.apply({"params": p}, g, head, method=FeatureDrafterNet.logits)
-
     def flops(fn, *args):
         return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
 
