@@ -22,7 +22,6 @@ from hsdjax.errors import HsdjaxError
 
 DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2, "head_delta": False,
                     "width": 0}
-INJECTIONS = ("mlp", "film", "attn")  # hsd's forms of g (``FeatureDrafterNet.inject``)
 
 
 def drafter_heads(mc: Any, width: int) -> tuple[int, int]:
@@ -58,6 +57,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         if unknown:  # a misspelt setting would otherwise be silently ignored
             raise HsdjaxError(f"{path}: unknown {section} setting(s) {', '.join(map(repr, unknown))}; known: "
                               f"{', '.join(sorted(known))}")
+    from hsdjax.drafters.feature import INJECTIONS
+
     injection = cfg.get("drafter", {}).get("injection", DRAFTER_DEFAULTS["injection"])
     if injection not in INJECTIONS:
         raise HsdjaxError(f"{path}: drafter injection {injection!r}: expected one of {', '.join(INJECTIONS)}")

@@ -43,6 +43,9 @@ from hsdjax.tree import DraftTree, graft_chain
 LOOKUP_MAX_NGRAM = PromptLookupDrafter.max_ngram  # the grafted lookup matches as `pld` does
 
 
+INJECTIONS = ("mlp", "film", "attn")  # hsd's forms of g (``FeatureDrafterNet.inject``)
+
+
 @dataclasses.dataclass(frozen=True)
 class FeatureConfig:
     """Shape and form of a feature drafter (stored in its checkpoint)."""
