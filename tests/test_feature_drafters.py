@@ -292,8 +292,8 @@ def test_drafter_macs_count_what_xla_computes():
     kv = jnp.ones((1, keys, fc.kv_heads, fc.head_dim))
     want = 2 * t * layer_macs(fc.hidden, fc.heads, fc.kv_heads, fc.head_dim, fc.mlp, keys)
     assert 0.97 * want <= flops(layer, p, x, kv, kv) <= 1.1 * want
-    for injection in ("mlp", "attn"):  # ``attn``: g's query, its read of ``keys`` context positions, its output
-        fc_g = dataclasses.replace(fc, injection=injection)
+    for injection, g_hidden in (("mlp", 0), ("mlp", 384), ("attn", 0)):  # ``attn``: g's query, its read, its output
+        fc_g = dataclasses.replace(fc, injection=injection, inject_hidden=g_hidden)
         net_g, p_g = FeatureDrafterNet(fc_g), init_net(fc_g, 0)
 
         def out_piece(p, x, embs, head, ctx_k, ctx_v):
@@ -311,7 +311,7 @@ def test_drafter_macs_count_what_xla_computes():
         want = 2 * t * (drafter._inject_macs(keys) + drafter._head_macs())
         got = flops(out_piece, p_g, x, jnp.ones((1, t, fc.inject_tokens, fc.hidden)), jnp.ones((fc.vocab, fc.hidden)),
                     kv, kv)
-        assert 0.97 * want <= got <= 1.1 * want, injection
+        assert 0.97 * want <= got <= 1.1 * want, (injection, g_hidden)
 
 
 def test_drafter_macs_accumulate_per_method(target):

@@ -65,9 +65,10 @@ def test_recorded_states_match_a_teacher_forced_pass(recorded):
 @pytest.mark.parametrize("method", ["hsd", "eagle", "hsd-attn"])
 def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
     params, layers, prompts, data = recorded
-    method, _, injection = method.partition("-")  # hsd-attn: g also reads the context
+    method, _, injection = method.partition("-")  # hsd-attn: g also reads the context (and is wider)
     fc = FeatureConfig(method=method, hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64,
-                       vocab=64, rope_theta=CFG.rope_theta, injection=injection or "mlp")
+                       vocab=64, rope_theta=CFG.rope_theta, injection=injection or "mlp",
+                       inject_hidden=96 if injection else 0)
     vocab_ids, frozen_np = frozen_pieces(params, data, fc)
     opts = dict(window=32, batch=8, rollout=3, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=30)
     logs = []
@@ -283,3 +284,7 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
     path.write_text(json.dumps({**good, "drafter": {"injection": "atn"}}))
     with pytest.raises(HsdjaxError, match="injection 'atn': expected one of mlp, film, attn"):
         read_config(path)
+    for key, bad in (("inject_hidden", -1), ("mlp", 0), ("vocab", 40.5), ("width", "wide")):
+        path.write_text(json.dumps({**good, "drafter": {key: bad}}))
+        with pytest.raises(HsdjaxError, match=f"drafter {key} must be a whole number"):
+            read_config(path)

@@ -20,8 +20,8 @@ import numpy as np
 
 from hsdjax.errors import HsdjaxError
 
-DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2, "head_delta": False,
-                    "width": 0}
+DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2, "inject_hidden": 0,
+                    "head_delta": False, "width": 0}
 
 
 def drafter_heads(mc: Any, width: int) -> tuple[int, int]:
@@ -62,6 +62,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
     injection = cfg.get("drafter", {}).get("injection", DRAFTER_DEFAULTS["injection"])
     if injection not in INJECTIONS:
         raise HsdjaxError(f"{path}: drafter injection {injection!r}: expected one of {', '.join(INJECTIONS)}")
+    for key in ("mlp", "vocab", "inject_tokens", "inject_hidden", "width"):  # sizes; 0 means "the default width"
+        value, least = cfg.get("drafter", {}).get(key, DRAFTER_DEFAULTS[key]), 0 if key in ("inject_hidden", "width") else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise HsdjaxError(f"{path}: drafter {key} must be a whole number >= {least} (got {value!r})")
     cfg["name"] = cfg.get("name", path.stem)
     return cfg
 
@@ -133,6 +137,7 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
     fc = FeatureConfig(method=cfg["method"], hidden=mc.hidden_size, heads=heads, kv_heads=kv_heads, width=width,
                        head_dim=mc.head_dim, mlp=int(dcfg["mlp"]), vocab=int(dcfg["vocab"]), fused=len(layers) - 1,
                        injection=dcfg["injection"], inject_tokens=int(dcfg["inject_tokens"]),
+                       inject_hidden=int(dcfg["inject_hidden"]),
                        head_delta=bool(dcfg["head_delta"]), eps=mc.rms_norm_eps,
                        rope_theta=mc.rope_theta)
     vocab_ids = draft_vocab(data["top_ids"], fc.vocab, mc.vocab_size)

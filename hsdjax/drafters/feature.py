@@ -60,6 +60,7 @@ class FeatureConfig:
     fused: int = 3  # number of target layers fused at the input
     injection: str = "mlp"  # hsd: "mlp" | "film" | "attn"
     inject_tokens: int = 2  # hsd: embeddings of the path's last tokens given to g
+    inject_hidden: int = 0  # hsd: hidden width of g's MLP (mlp / attn forms; 0: the drafter's width W)
     head_delta: bool = False  # a trained [V, E] correction to the frozen head rows (``HEAD_DELTA``)
     width: int = 0  # the drafter's own width W (0: the target's E); W < E adds ``lift`` [W, E] before the head
     eps: float = 1e-5
@@ -69,6 +70,11 @@ class FeatureConfig:
     def state_width(self) -> int:
         """W: the width of the drafter's layer and of its predicted states."""
         return self.width or self.hidden
+
+    @property
+    def g_hidden(self) -> int:
+        """The hidden width of ``g``'s MLP."""
+        return self.inject_hidden or self.state_width
 
     @property
     def narrow(self) -> bool:
@@ -184,8 +190,8 @@ class FeatureDrafterNet(nn.Module):
         if c.method == "eagle":
             self.fc = _matrix(self, "fc", _init(), (w + e, w))
         elif c.injection in ("mlp", "attn"):
-            self.g_in = _matrix(self, "g_in", _init(), (w + c.inject_tokens * e, w))
-            self.g_out = _matrix(self, "g_out", _init(0.01), (w, w))
+            self.g_in = _matrix(self, "g_in", _init(), (w + c.inject_tokens * e, c.g_hidden))
+            self.g_out = _matrix(self, "g_out", _init(0.01), (c.g_hidden, w))
             if c.injection == "attn":
                 self.g_q = _matrix(self, "g_q", _init(), (w + c.inject_tokens * e, c.heads * c.head_dim))
                 self.g_o = _matrix(self, "g_o", _init(0.01), (c.heads * c.head_dim, w))
@@ -407,7 +413,7 @@ class FeatureDrafter(Drafter):
         w, e = c.state_width, c.hidden
         if c.injection == "film":
             return 2 * c.inject_tokens * e * w
-        macs = (w + c.inject_tokens * e) * w + w * w
+        macs = (w + c.inject_tokens * e) * c.g_hidden + c.g_hidden * w
         if c.injection == "attn":
             hd = c.heads * c.head_dim
             macs = macs + (w + c.inject_tokens * e) * hd + hd * w + 2 * hd * keys
