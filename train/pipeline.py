@@ -63,7 +63,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if injection not in INJECTIONS:
         raise HsdjaxError(f"{path}: drafter injection {injection!r}: expected one of {', '.join(INJECTIONS)}")
     for key in ("mlp", "vocab", "inject_tokens", "inject_hidden", "width"):  # sizes; 0 means "the default width"
-        value, least = cfg.get("drafter", {}).get(key, DRAFTER_DEFAULTS[key]), 0 if key in ("inject_hidden", "width") else 1
+        value = cfg.get("drafter", {}).get(key, DRAFTER_DEFAULTS[key])
+        least = 0 if key in ("inject_hidden", "width") else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise HsdjaxError(f"{path}: drafter {key} must be a whole number >= {least} (got {value!r})")
     cfg["name"] = cfg.get("name", path.stem)
