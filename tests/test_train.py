@@ -288,3 +288,6 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
         path.write_text(json.dumps({**good, "drafter": {key: bad}}))
         with pytest.raises(HsdjaxError, match=f"drafter {key} must be a whole number"):
             read_config(path)
+    path.write_text(json.dumps({**good, "drafter": {"inject_tokens": 3}}))
+    with pytest.raises(HsdjaxError, match="inject_tokens must be 1 or 2"):
+        read_config(path)

@@ -67,6 +67,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         least = 0 if key in ("inject_hidden", "width") else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise HsdjaxError(f"{path}: drafter {key} must be a whole number >= {least} (got {value!r})")
+    if cfg.get("drafter", {}).get("inject_tokens", 2) > 2:  # g sees a node's token and its parent's
+        raise HsdjaxError(f"{path}: drafter inject_tokens must be 1 or 2 (the node's token, and its parent's)")
     cfg["name"] = cfg.get("name", path.stem)
     return cfg
 
