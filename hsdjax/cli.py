@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--token-budget", type=_int_at_least(1, 1_000_000_000), default=None, help="override the data token budget")
     tr.add_argument("--max-steps", type=_positive_int, default=None, help="stop training after N steps")
     tr.add_argument("--epochs", type=_float_in(0.0, 1000.0, lo_open=True), default=None)
+    tr.add_argument("--init", default=None, metavar="CHECKPOINT",
+                    help="start training from this drafter checkpoint (same shape and target; 'shipped': the "
+                         "shipped one) instead of fresh weights; overrides the config's train.init")
     add_mesh_args(tr)
 
     k = sub.add_parser("cpu-matmul", help="build or check hsdjax's optional CPU matmul kernel (needs a C++ compiler)")
@@ -311,7 +314,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     # the target is sharded over --mesh for data generation; the drafter trains data-parallel over its data axis
     summary = run(args.config, stage=args.stage, out=args.out, token_budget=args.token_budget,
-                  max_steps=args.max_steps, epochs=args.epochs, log=_log, mesh=mesh_from_args(args))
+                  max_steps=args.max_steps, epochs=args.epochs, log=_log, mesh=mesh_from_args(args),
+                  init=args.init)
     print(json.dumps(summary.get("checkpoint", summary["data"])))
     return 0
 

@@ -263,7 +263,8 @@ def load_weights(
     convert: Callable[..., tuple[ModelConfig, Params]] = convert_gguf if kind == "gguf" else convert_hf
     cfg, params = convert(path, progress=progress)
     tmp = cache_file.with_suffix(".tmp")
-    save_file(flatten(params), str(tmp))
+    # contiguous copies: safetensors' numpy writer stores a strided view's raw buffer (0.8.0)
+    save_file({k: np.ascontiguousarray(v) for k, v in flatten(params).items()}, str(tmp))
     tmp.replace(cache_file)
     meta_file.write_text(json.dumps(cfg.to_dict()))
     if keys is not None:

@@ -267,6 +267,49 @@ def test_trained_head_correction_is_learned_saved_and_folded_into_the_head(recor
     assert got == run_engine(CFG, params, prompts[:3], 32)
 
 
+def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
+    """The train setting ``init``: a run starts from an exported drafter's weights and draft vocabulary
+    (more data for a trained drafter); a checkpoint of another shape or other layers is refused."""
+    from hsdjax.drafters.checkpoint import warm_start
+
+    params, layers, prompts, data = recorded
+    fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
+                       rope_theta=CFG.rope_theta)
+    vocab_ids, frozen_np = frozen_pieces(params, data, fc)
+    opts = dict(window=32, batch=8, rollout=2, epochs=20, lr=3e-3, warmup=5, holdout=0.15, max_steps=30)
+    trained = train(fc, data, frozen_np, vocab_ids, opts, tmp_path / "a", progress=False, log=lambda m: None)
+    target = types.SimpleNamespace(name="tiny", fingerprint="f" * 64, params=params, cfg=CFG)
+    path = save_drafter(tmp_path / "d.safetensors", fc, trained["params"], vocab_ids[::-1], layers[:-1], target,
+                        {"steps": 30})
+    got_vocab, net, meta = warm_start(path, fc, layers[:-1], target)
+    assert np.array_equal(got_vocab, vocab_ids[::-1]) and meta["info"] == {"steps": 30}
+
+    frozen_rev = dict(frozen_np, head=frozen_np["head"][::-1])  # the rows of the checkpoint's vocabulary order
+    still = dict(opts, lr=0.0, max_steps=1, init=str(path))  # no update: the weights stay those loaded
+    warm = train(fc, data, frozen_rev, got_vocab, still, tmp_path / "b", progress=False, log=lambda m: None,
+                 init_params=net)
+    cold = train(fc, data, frozen_rev, got_vocab, dict(still, init=""), tmp_path / "c", progress=False,
+                 log=lambda m: None)
+    for k, v in jax.tree_util.tree_leaves_with_path(net):
+        got = warm["params"]
+        for key in k:
+            got = got[key.key]
+        np.testing.assert_array_equal(np.asarray(got), v)
+    assert warm["history"][-1]["chain_accept"] > cold["history"][-1]["chain_accept"] + 0.2
+    assert warm["history"][-1]["loss"] < cold["history"][-1]["loss"]
+
+    with pytest.raises(HsdjaxError, match="another drafter shape.*mlp 64 there, 32 here"):
+        warm_start(path, FeatureConfig(**{**fc.to_json(), "mlp": 32}), layers[:-1], target)
+    with pytest.raises(HsdjaxError, match="reads target layers"):
+        warm_start(path, fc, layers[:-1][::-1] + (99,), target)
+    other = types.SimpleNamespace(name="other", fingerprint="0" * 64, params=params, cfg=CFG)
+    with pytest.raises(HsdjaxError, match="was trained for tiny"):
+        warm_start(path, fc, layers[:-1], other)
+    with pytest.raises(HsdjaxError, match="do not fit this drafter"):
+        train(fc, data, frozen_rev, got_vocab, still, tmp_path / "d", progress=False, log=lambda m: None,
+              init_params=dict(list(net.items())[1:]))
+
+
 def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
     import json
 

@@ -40,11 +40,13 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, draft_head, init_net
 from hsdjax.errors import HsdjaxError
 from hsdjax.model import NEG_INF, rms_norm
+from hsdjax.weights import flatten
 
 TRAIN_DEFAULTS = {
     "window": 256, "batch": 8, "rollout": 4, "epochs": 2.0, "lr": 1e-3, "warmup": 50, "weight_decay": 0.01,
     "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "prompt_weight": 0.3, "holdout": 0.02,
     "save_every_s": 600, "seed": 0, "max_steps": 0, "feature_noise": 0.0,
+    "init": "",  # a drafter checkpoint to start from (`hsdjax train-drafter`; "shipped": the shipped one)
 }
 
 
@@ -273,8 +275,11 @@ def restore_checkpoint(manager: Any, step: int, template: dict[str, Any]) -> dic
 # ------------------------------------------------------------------------------------------ training
 def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any], vocab_ids: np.ndarray,
           opts: dict[str, Any], ckpt_dir: Path, *, progress: bool = True, log: Any = print,
-          mesh: Mesh | None = None) -> dict[str, Any]:
+          mesh: Mesh | None = None, init_params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train (or resume training) a drafter; returns the final params and the evaluation history.
+
+    ``init_params``: start from these (a trained drafter of the same shape, ``checkpoint.warm_start``)
+    instead of fresh ones; the optimizer and its schedule start anew.
 
     ``mesh``: train data-parallel over its ``data`` axis (see the module docstring); ``opts["batch"]``
     must divide by its size. None: one device.
@@ -312,13 +317,18 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
 
     train_step = jit_step(train_step, mesh, batch_arg=2, n_args=4)
     eval_step = jit_step(eval_step, mesh, batch_arg=1, n_args=3)
-    params = place_replicated(init_net(cfg, opts["seed"]), mesh)
+    params = init_net(cfg, opts["seed"])
+    if init_params is not None:
+        params = same_shapes(params, init_params)
+    params = place_replicated(params, mesh)
     opt_state = place_replicated(optimizer.init(params), mesh)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     manager = ocp.CheckpointManager(ckpt_dir.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
     step, history = 0, []
-    check_same_run(ckpt_dir, {"train_windows": len(train_set),
-                              **{k: opts[k] for k in ("window", "batch", "rollout", "lr", "seed")}})
+    run = {"train_windows": len(train_set), **{k: opts[k] for k in ("window", "batch", "rollout", "lr", "seed")}}
+    if opts["init"]:
+        run["init"] = opts["init"]
+    check_same_run(ckpt_dir, run)
     if manager.latest_step() is not None:
         restored = restore_checkpoint(manager, manager.latest_step(),
                                       {"params": params, "opt_state": opt_state, "step": 0})
@@ -409,6 +419,16 @@ def sigterm_as_interrupt() -> Callable[[], None]:
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def same_shapes(fresh: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` as float32 arrays, checked to have ``fresh``'s entries and shapes (a warm start)."""
+    want = {k: v.shape for k, v in flatten(fresh).items()}
+    got = {k: np.shape(v) for k, v in flatten(given).items()}
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))[:4]
+        raise HsdjaxError(f"the starting drafter's parameters do not fit this drafter (e.g. {diff})")
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), given)
 
 
 def check_same_run(ckpt_dir: Path, run: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ def save_drafter(path: Path, cfg: FeatureConfig, params: Any, vocab_ids: np.ndar
 
     tensors = {"net." + k.replace("/", "."): np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
                for k, v in flatten(jax.device_get(params)).items()}  # tensor names: net.layer.wq ...
-    tensors["vocab_ids"] = np.asarray(vocab_ids, np.int32)
+    tensors["vocab_ids"] = np.ascontiguousarray(vocab_ids, np.int32)  # safetensors' numpy writer stores a view's raw buffer
     meta = {"format": FORMAT, "config": json.dumps(cfg.to_json()), "layers": json.dumps(list(layers)),
             "target": target.name, "target_fingerprint": target.fingerprint, "info": json.dumps(info)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,26 +60,58 @@ def read_meta(path: Path) -> dict[str, Any]:
             "info": json.loads(meta.get("info", "{}"))}
 
 
-def load_drafter(path: str | Path, target: Any, method: str) -> tuple[FeatureConfig, tuple[int, ...], dict[str, Any],
-                                                                       dict[str, Any]]:
-    """(config, fused layers, dparams, metadata) of a checkpoint, bound to ``target``."""
+def read_drafter(path: str | Path) -> tuple[FeatureConfig, tuple[int, ...], np.ndarray, dict[str, Any],
+                                           dict[str, Any]]:
+    """(config, fused layers, vocab ids, float32 params as trained, metadata) of a checkpoint, not yet
+    bound to a target (a trained head correction stays a separate entry)."""
     from safetensors.numpy import load_file
 
     path = Path(path)
     if not path.is_file():
         raise HsdjaxError(f"drafter checkpoint not found: {path}")
     meta = read_meta(path)
+    flat = load_file(str(path))
+    vocab_ids = flat.pop("vocab_ids").astype(np.int32)
+    net = unflatten({k[4:].replace(".", "/"): v.astype(np.float32) for k, v in flat.items() if k.startswith("net.")})
+    return FeatureConfig(**meta["config"]), meta["layers"], vocab_ids, net, meta
+
+
+def _check_target(path: Path, meta: dict[str, Any], target: Any) -> None:
     if meta["target_fingerprint"] != target.fingerprint:
         raise HsdjaxError(f"{path.name} was trained for {meta['target']} (weights {meta['target_fingerprint'][:12]}), "
                           f"not for {target.name} (weights {target.fingerprint[:12]}); train one with "
                           "`hsdjax train-drafter`")
-    cfg = FeatureConfig(**meta["config"])
+
+
+def load_drafter(path: str | Path, target: Any, method: str) -> tuple[FeatureConfig, tuple[int, ...], dict[str, Any],
+                                                                       dict[str, Any]]:
+    """(config, fused layers, dparams, metadata) of a checkpoint, bound to ``target``."""
+    path = Path(path)
+    if path.is_file():
+        _check_target(path, read_meta(path), target)  # before reading the tensors
+    cfg, layers, vocab_ids, net, meta = read_drafter(path)
     if cfg.method != method:
         raise HsdjaxError(f"{path.name} is a {cfg.method} drafter, not {method}")
-    flat = load_file(str(path))
-    vocab_ids = flat.pop("vocab_ids").astype(np.int32)
-    net = unflatten({k[4:].replace(".", "/"): v.astype(np.float32) for k, v in flat.items() if k.startswith("net.")})
-    return cfg, meta["layers"], bind(net, vocab_ids, target.params, target.cfg), meta
+    return cfg, layers, bind(net, vocab_ids, target.params, target.cfg), meta
+
+
+def warm_start(path: str | Path, cfg: FeatureConfig, layers: tuple[int, ...], target: Any
+               ) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
+    """(vocab ids, params, metadata) of a checkpoint that training continues from (the train setting
+    ``init``): it must be a drafter of the same shape, reading the same layers of the same target."""
+    path = Path(path)
+    if path.is_file():
+        _check_target(path, read_meta(path), target)
+    got, got_layers, vocab_ids, net, meta = read_drafter(path)
+    mine, theirs = cfg.to_json(), got.to_json()
+    differ = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+    if differ:
+        what = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items()))
+        raise HsdjaxError(f"cannot start training from {path.name}: another drafter shape ({what})")
+    if tuple(got_layers) != tuple(layers):
+        raise HsdjaxError(f"cannot start training from {path.name}: it reads target layers {list(got_layers)}, "
+                          f"the data record {list(layers)}")
+    return vocab_ids, net, meta
 
 
 def frozen_from_target(target: Any) -> dict[str, Any]:
