@@ -85,7 +85,7 @@ def default_layer_loop() -> str:
     return "unrolled" if jax.default_backend() == "cpu" else "scan"
 
 
-CPU_MATMUL_SETTINGS = ("auto", "on", "off", "float32")
+CPU_MATMUL_SETTINGS = ("auto", "on", "off", "float32", "bf16x")
 
 
 def cpu_matmul_setting(setting: str | None) -> str:
@@ -106,7 +106,9 @@ def use_cpu_matmul(setting: str | None, cfg: ModelConfig, mesh: Any) -> bool:
         why = "the model is sharded over a mesh"
     elif why is None and not cpu_matmul_kernel.load():
         why = "the kernel is not built (run `hsdjax cpu-matmul build`)"
-    if why and setting in ("on", "float32"):
+    elif why is None and setting == "bf16x" and not cpu_matmul_kernel.has_bf16x():
+        why = "this CPU has no AVX512-BF16 / AVX512-VBMI (the bfloat16-activation products)"
+    if why and setting in ("on", "float32", "bf16x"):
         raise HsdjaxError(f"cpu_matmul={setting}, but {why}")
     return why is None
 
@@ -178,8 +180,10 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     CPU, the model computes in float32 and is unsharded; ``on`` insists (an error says what is
     missing); ``off`` keeps XLA's dot. A weight whose float32 values are exactly 4- or 8-bit block codes
     (a Q4_1 / Q8_0 GGUF's) is stored compressed for the kernel (same products, 5-7x fewer bytes to
-    stream per step); ``float32`` keeps every weight float32. Default: ``$HSDJAX_CPU_MATMUL``, else
-    ``auto``.
+    stream per step); ``float32`` keeps every weight float32. ``bf16x``: compressed weights multiplied
+    with activations rounded to bfloat16 (AVX512-BF16 dot products: tree passes about half the
+    arithmetic; not the float32 model's outputs, but every method computes the same, so speculative
+    output still equals `ar`'s). Default: ``$HSDJAX_CPU_MATMUL``, else ``auto``.
 
     ``cache_dtype``: the KV cache's storage dtype (default: the compute dtype). ``float16`` halves what
     a long-context step reads; outputs may differ from a float32 cache's (each key and value is rounded
@@ -212,7 +216,8 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     if use_cpu_matmul(cpu_matmul, cfg, mesh):
         compress = cpu_matmul_setting(cpu_matmul) != "float32"
         params = _pack_for_cpu_kernels(params, cfg, source, fingerprint, compress)
-        cfg = cfg.replace(cpu_matmul=True)
+        cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations="bfloat16" if cpu_matmul_setting(cpu_matmul) == "bf16x"
+                          else "float32")
     params = sharding.shard_params(cfg, params, mesh)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)

@@ -177,6 +177,135 @@ void QTile(const float* x, int64_t k_len, const uint8_t* panel, float* y, int64_
   Chains<MT>(x, k_len, y, n, [&](auto&& use) { WalkPanel<BITS>(panel, k_len, use); });
 }
 
+
+// ---- bfloat16 activations (opt-in, `cpu_matmul="bf16x"`): compressed panels only ----------------------
+// x is rounded to bfloat16 once per call; a block's codes are small integers, exact in bfloat16, so
+// each product code * x is exact in float32 and AVX512-BF16's dot instruction adds two of them per lane
+// (two k at a time, half the instructions of the float32 chains). The block's scale and offset are
+// applied once per block: y += scale * sum(x * code) + offset * sum(x). Each output is still one fixed
+// sequence of operations over k whatever M is (tree passes equal `ar` steps bit for bit), but not the
+// float32 product: x carries 8 significant bits (like llama.cpp's 8-bit activations on CPU). 4-bit
+// blocks only: an int8 block (a Q8_0 head) keeps the float32 chains, as fast at one row and exact.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+constexpr bool kHaveBf16x = true;
+
+// Two k rows of 16 bytes interleaved byte by byte: lane 2c + r holds row r's byte c.
+inline __m256i PairBytes16(const uint8_t* r0, const uint8_t* r1) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1));
+  return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+}
+
+// The 32 columns of a k pair as two vectors of bfloat16 pairs (columns 0-15, 16-31).
+template <int BITS>
+inline void PairWeights(const uint8_t* rows, __m512bh& w0, __m512bh& w1) {
+  if constexpr (BITS == 4) {
+    // the codes 0..15 as bfloat16 bit patterns
+    const __m512i lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+                                         0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
+                                         0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m256i both = PairBytes16(rows, rows + 16);  // low nibbles: columns 0-15, high: 16-31
+    const __m256i nib = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(both, nib);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(both, 4), nib);
+    w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), lut);
+    w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(hi), lut);
+  } else {
+    auto widen = [](__m256i codes) {  // 32 int8 -> 32 bfloat16 (exact: |code| <= 128)
+      const __m512i c16 = _mm512_cvtepi8_epi16(codes);
+      const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(c16)));
+      const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(c16, 1)));
+      return _mm512_cvtne2ps_pbh(f1, f0);
+    };
+    w0 = widen(PairBytes16(rows, rows + 32));
+    w1 = widen(PairBytes16(rows + 16, rows + 48));
+  }
+}
+
+template <int MT, int BITS>
+void XTile(const uint32_t* xb, const float* xs, int64_t k_len, const uint8_t* panel, float* y, int64_t n) {
+  using F = Format<BITS>;
+  constexpr int64_t kPairs = F::kRows / 2;
+  const int64_t pairs_per_row = k_len / 2, sums_per_row = k_len / 32;
+  __m512 a0[MT], a1[MT];
+  for (int m = 0; m < MT; ++m) {
+    a0[m] = _mm512_setzero_ps();
+    a1[m] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < k_len / F::kRows; ++b) {
+    const uint8_t* blk = panel + b * F::kBlockBytes;
+    __m512 i0[MT], i1[MT];
+    for (int m = 0; m < MT; ++m) {
+      i0[m] = _mm512_setzero_ps();
+      i1[m] = _mm512_setzero_ps();
+    }
+    for (int64_t kp = 0; kp < kPairs; ++kp) {
+      __m512bh w0, w1;
+      PairWeights<BITS>(blk + F::kHeader + 2 * kp * F::kRowBytes, w0, w1);
+      const int64_t pair = b * kPairs + kp;
+      for (int m = 0; m < MT; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[m * pairs_per_row + pair]));
+        i0[m] = _mm512_dpbf16_ps(i0[m], xv, w0);
+        i1[m] = _mm512_dpbf16_ps(i1[m], xv, w1);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+    const __m512 d1 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
+    for (int m = 0; m < MT; ++m) {
+      if constexpr (BITS == 4) {
+        const __m512 sx = _mm512_set1_ps(xs[m * sums_per_row + b]);
+        a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(blk + 128)), sx, a0[m]);
+        a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(blk + 192)), sx, a1[m]);
+      }
+      a0[m] = _mm512_fmadd_ps(d0, i0[m], a0[m]);
+      a1[m] = _mm512_fmadd_ps(d1, i1[m], a1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(y + m * n, a0[m]);
+    _mm512_storeu_ps(y + m * n + 16, a1[m]);
+  }
+}
+// Rows of x [m, k] to bfloat16 pairs xb [m, k/2] and per 32 k the sum of the rounded values xs.
+void RoundActivations(const float* x, int64_t m, int64_t k, uint32_t* xb, float* xs) {
+  const int64_t sums = (k + 31) / 32;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    uint16_t* out = reinterpret_cast<uint16_t*>(xb + r * (k / 2));
+    for (int64_t s = 0; s < sums; ++s) {
+      const int64_t k0 = 32 * s;
+      if (k0 + 32 <= k) {
+        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k0 + 16), _mm512_loadu_ps(xr + k0));
+        _mm512_storeu_si512(out + k0, (__m512i)h);
+        const __m512i wide = (__m512i)h;  // back to float32: the 16 bits become the high half
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wide)), 16));
+        const __m512 hi =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wide, 1)), 16));
+        xs[r * sums + s] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      } else {  // a tail of fewer than 32 k (8-bit blocks of 16): one value at a time
+        float sum = 0.0f;
+        for (int64_t j = k0; j < k; ++j) {
+          uint32_t u;
+          __builtin_memcpy(&u, xr + j, 4);
+          u += 0x7fff + ((u >> 16) & 1);  // nearest even, as the vector conversion (activations are finite)
+          out[j] = static_cast<uint16_t>(u >> 16);
+          const uint32_t back = (u >> 16) << 16;
+          float f;
+          __builtin_memcpy(&f, &back, 4);
+          sum += f;
+        }
+        xs[r * sums + s] = sum;
+      }
+    }
+  }
+}
+#else
+constexpr bool kHaveBf16x = false;
+void RoundActivations(const float*, int64_t, int64_t, uint32_t*, float*) {}
+template <int MT, int BITS>
+void XTile(const uint32_t*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
+#endif
+
 struct Work {
   const float* x;
   int64_t m, k;
@@ -186,6 +315,8 @@ struct Work {
   int64_t p0, p1;  // panels [p0, p1)
   float* y;
   int64_t n;
+  const uint32_t* xb = nullptr;  // bfloat16 activations (compressed panels only): x rounded, k pairs per row
+  const float* xs = nullptr;     // and their sums per 32 k (the offset term of 4-bit blocks)
 };
 
 // A whole compressed panel decoded to float32 panel layout [K, 32] (for sweeps of more than 8 rows).
@@ -211,8 +342,11 @@ void DecodeBf16Panel(const uint16_t* panel, int64_t k_len, float* out) {
 void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) {
   const float* xs = w.x + m0 * w.k;
   float* ys = w.y + m0 * w.n;
+  const uint32_t* xbr = w.xb ? w.xb + m0 * (w.k / 2) : nullptr;
+  const float* xsr = w.xs ? w.xs + m0 * (w.k / 32) : nullptr;
 #define HSDJAX_TILE(MT)                                                                                    \
-  (bits == 4    ? QTile<MT, 4>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                       \
+  (xbr && bits == 4 ? XTile<MT, 4>(xbr, xsr, w.k, static_cast<const uint8_t*>(panel), ys, w.n)             \
+   : bits == 4    ? QTile<MT, 4>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                       \
    : bits == 8  ? QTile<MT, 8>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                       \
    : bits == 16 ? BTile<MT>(xs, w.k, static_cast<const uint16_t*>(panel), ys, w.n)                         \
                 : Tile<MT>(xs, w.k, static_cast<const float*>(panel), ys, w.n))
@@ -234,7 +368,7 @@ void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) 
 // over k.
 void Panels(const Work& w) {
   std::unique_ptr<float[]> decoded;
-  if (w.bits != 32 && w.m > 8) decoded.reset(new float[w.k * kPanel]);
+  if (w.bits != 32 && w.m > 8 && !w.xb) decoded.reset(new float[w.k * kPanel]);  // bf16x 4-bit: per 8 rows
   for (int64_t p = w.p0; p < w.p1; ++p) {
     const void* panel = static_cast<const uint8_t*>(w.wp) + p * w.panel_bytes;
     int bits = w.bits;
@@ -314,8 +448,8 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return WidePanelMatmul(pool, x, wb, y, 16, "hsdjax bfloat16 matmul: expects x [M, K] and panels [N/32, K, 32]");
 }
 
-ffi::Error CompressedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
-                            ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& wq,
+                      ffi::ResultBuffer<ffi::F32>& y, bool bf16x) {
   auto xd = x.dimensions();
   auto wd = wq.dimensions();
   if (xd.size() != 2 || wd.size() != 3) {
@@ -331,8 +465,33 @@ ffi::Error CompressedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     return ffi::Error::InvalidArgument("hsdjax compressed matmul: blocks are 768 bytes per 32 k (4-bit) "
                                        "or 640 per 16 (8-bit)");
   }
-  return RunChunks(pool, Work{x.typed_data(), m, k, wq.typed_data(), wd[1] * block, bits, 0, panels,
-                              y->typed_data(), panels * kPanel});
+  Work all{x.typed_data(), m, k, wq.typed_data(), wd[1] * block, bits, 0, panels, y->typed_data(),
+           panels * kPanel};
+  std::unique_ptr<uint32_t[]> xb;
+  std::unique_ptr<float[]> xs;
+  if (bf16x && bits == 4) {  // 8-bit blocks keep the float32 chains (widening int8 to bfloat16 costs more)
+    if (!kHaveBf16x) {
+      return ffi::Error::InvalidArgument("hsdjax bf16x matmul: this build has no AVX512-BF16 / AVX512-VBMI");
+    }
+    // x rounded to bfloat16 (nearest even), two k per word, and per 32 k the sum of the rounded values
+    const int64_t pairs = k / 2, sums = (k + 31) / 32;
+    xb.reset(new uint32_t[m * pairs]);
+    xs.reset(new float[m * sums]);
+    RoundActivations(x.typed_data(), m, k, xb.get(), xs.get());
+    all.xb = xb.get();
+    all.xs = xs.get();
+  }
+  return RunChunks(pool, all);
+}
+
+ffi::Error CompressedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  return Compressed(pool, x, wq, y, false);
+}
+
+ffi::Error CompressedMatmulBf16x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                                 ffi::ResultBuffer<ffi::F32> y) {
+  return Compressed(pool, x, wq, y, true);
 }
 
 }  // namespace
@@ -357,3 +516,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmul, CompressedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulBf16x, CompressedMatmulBf16x,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether this build has the bfloat16-activation products (AVX512-BF16 and AVX512-VBMI).
+extern "C" int HsdjaxHasBf16x() { return kHaveBf16x ? 1 : 0; }

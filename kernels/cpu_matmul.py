@@ -45,6 +45,7 @@ SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cc"))  # one library: matmul and cache attention
 TARGET = "hsdjax_panel_matmul"
 COMPRESSED_TARGET = "hsdjax_compressed_matmul"
+COMPRESSED_BF16X_TARGET = "hsdjax_compressed_matmul_bf16x"  # activations rounded to bfloat16 (opt-in)
 BF16_TARGET = "hsdjax_bf16_matmul"  # bfloat16 panels (a drafter's trained matrices: exact, half the bytes)
 ATTENTION_TARGET = "hsdjax_cache_attention"
 ATTENTION_F16_TARGET = "hsdjax_cache_attention_f16"  # the same over a float16 KV cache
@@ -102,6 +103,8 @@ def load() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.HsdjaxPanelMatmul), platform="cpu")
         jax.ffi.register_ffi_target(COMPRESSED_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmul), platform="cpu")
         jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.HsdjaxBf16Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(COMPRESSED_BF16X_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmulBf16x),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttention), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_F16_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttentionF16),
                                     platform="cpu")
@@ -110,6 +113,12 @@ def load() -> bool:
                                     platform="cpu")
         _state["loaded"] = lib
     return True
+
+
+def has_bf16x() -> bool:
+    """Whether the loaded kernel has the bfloat16-activation products (built on a CPU with AVX512-BF16
+    and AVX512-VBMI)."""
+    return bool(load() and _state["loaded"].HsdjaxHasBf16x())
 
 
 def unsupported(cfg: Any) -> str | None:
@@ -347,8 +356,12 @@ def is_bf16(wp: Any) -> bool:
 # ------------------------------------------------------------------------------------------ the product
 
 
-def panel_matmul_reference(x: Float[Array, "... K"], wp: Any) -> Float[Array, "... N"]:
-    """``x @ unpack(wp)`` in jnp (the reference the kernel is tested against)."""
+def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str = "float32") -> Float[Array, "... N"]:
+    """``x @ unpack(wp)`` in jnp (the reference the kernel is tested against); ``activations="bfloat16"``
+    with 4-bit panels: x rounded to bfloat16 first (what the bf16x products compute, up to float32
+    rounding; 8-bit panels keep the float32 products)."""
+    if activations == "bfloat16" and is_compressed(wp) and compressed_bits(wp) == 4:
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
     if is_compressed(wp):
         wp = decompress(wp)
     wp = wp.astype(jnp.float32)  # bfloat16 panels: exact
@@ -356,8 +369,13 @@ def panel_matmul_reference(x: Float[Array, "... K"], wp: Any) -> Float[Array, ".
     return y.reshape(*y.shape[:-2], -1)
 
 
-def panel_matmul(x: Float[Array, "... K"], wp: Any) -> Float[Array, "... N"]:
-    """``x @ unpack(wp)`` through the kernel, float32, bfloat16 or compressed panels (call ``load`` first)."""
+def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32") -> Float[Array, "... N"]:
+    """``x @ unpack(wp)`` through the kernel, float32, bfloat16 or compressed panels (call ``load`` first).
+
+    ``activations="bfloat16"`` (4-bit compressed panels; ``load_model(cpu_matmul="bf16x")``): x rounded
+    to bfloat16 and multiplied with AVX512-BF16 dot products, fewer instructions where a pass is bound by
+    arithmetic (tree passes), not the float32 product; still the same for every M. Other panels keep
+    the float32 products."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:
@@ -365,7 +383,8 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any) -> Float[Array, "... N"]:
     n = wp.shape[0] * PANEL
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     if is_compressed(wp):
-        y = jax.ffi.ffi_call(COMPRESSED_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
+        name = COMPRESSED_BF16X_TARGET if activations == "bfloat16" else COMPRESSED_TARGET
+        y = jax.ffi.ffi_call(name, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
     elif is_bf16(wp):
         y = jax.ffi.ffi_call(BF16_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
     else:

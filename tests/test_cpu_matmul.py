@@ -3,6 +3,8 @@ packed model equal to the unpacked one, and speculative decoding through it equa
 
 from __future__ import annotations
 
+import functools
+
 import shutil
 
 import jax
@@ -153,6 +155,33 @@ def test_compressed_products_are_bitwise_the_float32_ones(kernel, bits):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_bf16x_products_round_only_the_activations_and_are_the_same_for_every_row_count(kernel):
+    """``cpu_matmul="bf16x"``: x rounded to bfloat16, each code * x exact, the block scale applied once:
+    the product of the rounded x with the exact weight up to float32 rounding; and, like the float32
+    chains, every row comes out bitwise the same whether alone or in a batch (tree pass = `ar` step).
+    8-bit panels keep the float32 products."""
+    if not cpu_matmul.has_bf16x():
+        pytest.skip("this CPU has no AVX512-BF16 / AVX512-VBMI")
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((19, 576), np.float32))
+    w8 = cpu_matmul.compress_weight(jnp.asarray(block_quantized(rng, 576, 64, 8)))
+    assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x, w8, activations="bfloat16")),
+                          np.asarray(cpu_matmul.panel_matmul(x, w8)))
+    w = block_quantized(rng, 576, 320, 4)
+    wq = cpu_matmul.compress_weight(jnp.asarray(w))
+    whole = np.asarray(cpu_matmul.panel_matmul(x, wq, activations="bfloat16"))
+    rounded = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    want = rounded @ w.astype(np.float64)
+    np.testing.assert_allclose(whole, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    exact = np.asarray(x, np.float64) @ w.astype(np.float64)
+    assert np.abs(whole - exact).max() > 1e3 * np.abs(want - whole).max()  # it is not the float32 product
+    for lo, hi in ((0, 1), (5, 6), (2, 10), (8, 19)):
+        part = jax.jit(functools.partial(cpu_matmul.panel_matmul, activations="bfloat16"))(x[lo:hi], wq)
+        assert np.array_equal(np.asarray(part), whole[lo:hi])
+    np.testing.assert_allclose(np.asarray(cpu_matmul.panel_matmul_reference(x, wq, activations="bfloat16")), want,
+                               rtol=0, atol=2e-5 * np.abs(want).max())
+
+
 def test_bfloat16_panels_give_the_float32_panels_products_bitwise(kernel):
     """A matrix whose values are bfloat16 values (a drafter checkpoint's) is packed in bfloat16: the
     kernel widens each value exactly, so every row count (8-row tiles and the decoded sweep past 8)
@@ -220,8 +249,36 @@ def test_speculative_decoding_through_the_kernel_equals_ar(kernel):
     assert got == want
 
 
+def test_speculative_decoding_with_bf16x_activations_equals_ar(kernel):
+    """A tiny model whose weights are block codes (as a Q4_1 / Q8_0 GGUF's), run with activations
+    rounded to bfloat16: every pass rounds the same way, so `pld`'s tree passes give `ar`'s tokens."""
+    if not cpu_matmul.has_bf16x():
+        pytest.skip("this CPU has no AVX512-BF16 / AVX512-VBMI")
+    rng = np.random.default_rng(7)
+    params = init_params(PANEL_LLAMA, seed=6)
+
+    def codes(w, bits):
+        w = np.asarray(w)
+        flat = w.reshape(-1, *w.shape[-2:])
+        return jnp.asarray(np.stack([block_quantized(rng, *m.shape, bits) * 8 for m in flat]).reshape(w.shape))
+
+    layers = {k: codes(v, 4) if k in cpu_matmul.PACKED_WEIGHTS else v for k, v in params["layers"].items()}
+    params = {**params, "layers": layers, "embed": codes(params["embed"].T, 8).T}
+    packed = cpu_matmul.pack_params(params, True)
+    assert all(cpu_matmul.is_compressed(packed["layers"][k]) for k in ("wq", "wk", "w_up", "w_down"))
+    assert cpu_matmul.is_compressed(packed["head_panels"])
+    cfg = PANEL_LLAMA.replace(cpu_matmul=True, cpu_matmul_activations="bfloat16")
+    motif = rng.integers(0, cfg.vocab_size, 6).tolist()
+    prompts = [motif * 3 + rng.integers(0, cfg.vocab_size, 4).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
+    want = run_engine(cfg, packed, prompts, 24)
+    got, state = run_engine(cfg, packed, prompts, 24, drafter=PromptLookupDrafter(width=2, depth=4),
+                            return_state=True)
+    assert got == want
+    assert int(np.asarray(state.stats.accepted_drafts).sum()) > 0  # trees were verified and accepted from
+
+
 def test_load_setting_is_checked_and_explained(kernel):
-    with pytest.raises(HsdjaxError, match="auto, on, off, float32"):
+    with pytest.raises(HsdjaxError, match="auto, on, off, float32, bf16x"):
         use_cpu_matmul("fast", PANEL_LLAMA, None)
     assert use_cpu_matmul("off", PANEL_LLAMA, None) is False
     assert use_cpu_matmul("auto", PANEL_LLAMA, None) is True
