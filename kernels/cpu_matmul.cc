@@ -266,36 +266,22 @@ void XTile(const uint32_t* xb, const float* xs, int64_t k_len, const uint8_t* pa
     _mm512_storeu_ps(y + m * n + 16, a1[m]);
   }
 }
-// Rows of x [m, k] to bfloat16 pairs xb [m, k/2] and per 32 k the sum of the rounded values xs.
+// Rows of x [m, k] (k a multiple of 32: 4-bit blocks) to bfloat16 pairs xb [m, k/2], rounded to nearest
+// even, and per 32 k the sum of the rounded values xs [m, k/32].
 void RoundActivations(const float* x, int64_t m, int64_t k, uint32_t* xb, float* xs) {
-  const int64_t sums = (k + 31) / 32;
+  const int64_t sums = k / 32;
   for (int64_t r = 0; r < m; ++r) {
     const float* xr = x + r * k;
     uint16_t* out = reinterpret_cast<uint16_t*>(xb + r * (k / 2));
     for (int64_t s = 0; s < sums; ++s) {
       const int64_t k0 = 32 * s;
-      if (k0 + 32 <= k) {
-        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k0 + 16), _mm512_loadu_ps(xr + k0));
-        _mm512_storeu_si512(out + k0, (__m512i)h);
-        const __m512i wide = (__m512i)h;  // back to float32: the 16 bits become the high half
-        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wide)), 16));
-        const __m512 hi =
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wide, 1)), 16));
-        xs[r * sums + s] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-      } else {  // a tail of fewer than 32 k (8-bit blocks of 16): one value at a time
-        float sum = 0.0f;
-        for (int64_t j = k0; j < k; ++j) {
-          uint32_t u;
-          __builtin_memcpy(&u, xr + j, 4);
-          u += 0x7fff + ((u >> 16) & 1);  // nearest even, as the vector conversion (activations are finite)
-          out[j] = static_cast<uint16_t>(u >> 16);
-          const uint32_t back = (u >> 16) << 16;
-          float f;
-          __builtin_memcpy(&f, &back, 4);
-          sum += f;
-        }
-        xs[r * sums + s] = sum;
-      }
+      const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + k0 + 16), _mm512_loadu_ps(xr + k0));
+      _mm512_storeu_si512(out + k0, (__m512i)h);
+      const __m512i wide = (__m512i)h;  // back to float32: the 16 bits become the high half
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wide)), 16));
+      const __m512 hi =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wide, 1)), 16));
+      xs[r * sums + s] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
   }
 }
@@ -474,7 +460,7 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
       return ffi::Error::InvalidArgument("hsdjax bf16x matmul: this build has no AVX512-BF16 / AVX512-VBMI");
     }
     // x rounded to bfloat16 (nearest even), two k per word, and per 32 k the sum of the rounded values
-    const int64_t pairs = k / 2, sums = (k + 31) / 32;
+    const int64_t pairs = k / 2, sums = k / 32;
     xb.reset(new uint32_t[m * pairs]);
     xs.reset(new float[m * sums]);
     RoundActivations(x.typed_data(), m, k, xb.get(), xs.get());
