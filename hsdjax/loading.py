@@ -216,8 +216,8 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     if use_cpu_matmul(cpu_matmul, cfg, mesh):
         compress = cpu_matmul_setting(cpu_matmul) != "float32"
         params = _pack_for_cpu_kernels(params, cfg, source, fingerprint, compress)
-        cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations="bfloat16" if cpu_matmul_setting(cpu_matmul) == "bf16x"
-                          else "float32")
+        bf16x = cpu_matmul_setting(cpu_matmul) == "bf16x"
+        cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations="bfloat16" if bf16x else "float32")
     params = sharding.shard_params(cfg, params, mesh)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)
