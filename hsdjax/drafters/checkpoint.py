@@ -35,7 +35,8 @@ def save_drafter(path: Path, cfg: FeatureConfig, params: Any, vocab_ids: np.ndar
 
     tensors = {"net." + k.replace("/", "."): np.asarray(v, np.float32).astype(ml_dtypes.bfloat16)
                for k, v in flatten(jax.device_get(params)).items()}  # tensor names: net.layer.wq ...
-    tensors["vocab_ids"] = np.ascontiguousarray(vocab_ids, np.int32)  # safetensors' numpy writer stores a view's raw buffer
+    # contiguous: safetensors' numpy writer stores a strided view's raw buffer (0.8.0)
+    tensors["vocab_ids"] = np.ascontiguousarray(vocab_ids, np.int32)
     meta = {"format": FORMAT, "config": json.dumps(cfg.to_json()), "layers": json.dumps(list(layers)),
             "target": target.name, "target_fingerprint": target.fingerprint, "info": json.dumps(info)}
     path.parent.mkdir(parents=True, exist_ok=True)
