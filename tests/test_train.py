@@ -334,3 +334,18 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
     path.write_text(json.dumps({**good, "drafter": {"inject_tokens": 3}}))
     with pytest.raises(HsdjaxError, match="inject_tokens must be 1 or 2"):
         read_config(path)
+
+
+def test_warm_start_on_seen_data_is_called_out():
+    """Same data settings (the budget aside) are the same seeded prompt sequence: a warm start on no more
+    tokens than its checkpoint saw adds epochs, not data, and the run says so."""
+    from hsdjax.train.pipeline import seen_data_note
+
+    data = {"prompts": ["p.jsonl"], "seed": 0, "token_budget": 2_000_000, "max_new_tokens": 256}
+    info = {"data_tokens": 2_000_000, "config": {"data": data}}
+    seen = seen_data_note(info, {**data, "token_budget": 4_000_000}, 1_500_000)
+    assert seen is not None and "all of it" in seen and "1500000" in seen
+    grown = seen_data_note(info, {**data, "token_budget": 4_000_000}, 3_000_000)
+    assert grown is not None and "1000000 are new" in grown
+    assert seen_data_note(info, {**data, "seed": 1}, 1_500_000) is None  # another prompt sequence
+    assert seen_data_note({"data_tokens": None}, data, 1_500_000) is None  # a checkpoint without a record

@@ -117,6 +117,25 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
     return summary
 
 
+def seen_data_note(init_info: dict[str, Any], data_cfg: dict[str, Any], tokens: int) -> str | None:
+    """A warning when a warm start trains on data its checkpoint has already seen: same data settings
+    (the budget aside) mean the same seeded prompt sequence, so the first ``init_info["data_tokens"]``
+    tokens of this folder were its training data (and the held-out tail too, if the folder is not larger)."""
+    seen = init_info.get("data_tokens")
+    old_data = dict((init_info.get("config") or {}).get("data") or {})
+    if not seen or not old_data:
+        return None
+    strip = lambda d: {k: v for k, v in d.items() if k != "token_budget"}  # noqa: E731
+    if strip(old_data) != strip(dict(data_cfg)):
+        return None
+    if tokens <= int(seen):
+        return (f"note: the starting checkpoint was trained on {int(seen)} tokens of this same prompt sequence and "
+                f"this data holds {tokens}: all of it (held-out tail included) was seen, so this run adds epochs, "
+                "not data, and its held-out figures flatter it (a larger --token-budget extends the data)")
+    return (f"note: the first {int(seen)} of these {tokens} tokens are the starting checkpoint's training data "
+            f"(same prompt sequence); {tokens - int(seen)} are new")
+
+
 def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str | None, max_steps: int | None,
                       epochs: float | None, progress: bool, log: Any, mesh: Any = None,
                       init: str | None = None) -> dict[str, Any]:
@@ -155,6 +174,9 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
                         "steps": init_meta["info"].get("steps")}
         log(f"starting from {init_path} (trained {started_from['steps']} steps on {started_from['data_tokens']} "
             "tokens)")
+        note = seen_data_note(init_meta["info"], cfg["data"], int(man["tokens"]))
+        if note:
+            log(note)
     else:
         vocab_ids = draft_vocab(data["top_ids"], fc.vocab, mc.vocab_size)
     coverage = float(np.isin(data["top_ids"][:, 0], vocab_ids).mean())
