@@ -1,14 +1,15 @@
 // Standalone prototype (not built by hsdjax): one 4-bit block-quantized matmul tile, single thread,
-// weights L2-resident, three ways:
+// weights L2-resident, four ways:
 //   A: float32 multiply-add chains on the decoded weights (the kernel's default scheme);
 //   B: x rounded to bfloat16, codes exact in bfloat16, AVX512-BF16 dot products (2 k per instruction),
-//      block scale and offset applied once per block (what `--cpu-matmul bf16x` ships);
-//   C: x quantized to int8 per row and 32-k block (scale max|x|/127), codes as u8, AVX512-VNNI
-//      (4 k per instruction), scale and offset once per block (what llama.cpp does on CPU; not built).
-// Prints the max error of each against a float64 product and the median time per M.
+//      block scale and offset applied once per block (`--cpu-matmul bf16x`);
+//   C: x quantized to int8 per row and 32-k block (scale max|x|/127), codes as u8 re-laid out four k per
+//      lane, AVX512-VNNI (4 k per instruction), scale and offset once per block;
+//   D: C on A's layout, one byte permute per four k rows (what `--cpu-matmul int8x` runs).
+// Prints the max error of A-C against a float64 product, max |D - C| (0), and the median time per M.
 //   g++ -O3 -march=native -ffp-contract=fast -o /tmp/quantized_tiles benchmarks/quantized_tiles.cc
 //   /tmp/quantized_tiles 576 1536; /tmp/quantized_tiles 1536 576
-// Needs AVX512-BF16 and AVX512-VNNI (this machine's AMD EPYC has both).
+// Needs AVX512-BF16, AVX512-VNNI and AVX512-VBMI.
 #include <immintrin.h>
 #include <chrono>
 #include <cmath>
@@ -124,6 +125,44 @@ void tileC(const uint32_t* xq, const float* sq, const float* xs, int K, const ui
   for (int m = 0; m < MT; ++m) { _mm512_storeu_ps(y + m * N, a0[m]); _mm512_storeu_ps(y + m * N + 16, a1[m]); }
 }
 
+// D: as C, reading layout A (32 rows of 16 bytes per block): 4 consecutive k rows are 64 contiguous
+// bytes; one byte permute gives C's quad layout.
+template <int MT>
+void tileD(const uint32_t* xq, const float* sq, const float* xs, int K, const uint8_t* panel, float* y, int N) {
+  __m512 a0[MT], a1[MT];
+  for (int m = 0; m < MT; ++m) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }
+  const int blk_bytes = 256 + L * 16;
+  const int nb = K / L;
+  const __m512i nib = _mm512_set1_epi8(15);
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < 16; ++j) for (int r = 0; r < 4; ++r) idx[4 * j + r] = 16 * r + j;
+  const __m512i perm = _mm512_load_si512(idx);
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * blk_bytes;
+    __m512i i0[MT], i1[MT];
+    for (int m = 0; m < MT; ++m) { i0[m] = _mm512_setzero_si512(); i1[m] = _mm512_setzero_si512(); }
+    for (int q = 0; q < L / 4; ++q) {
+      const __m512i raw = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void*)(blk + 256 + q * 64)));
+      const __m512i lo = _mm512_and_si512(raw, nib);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+      const int k4 = b * (L / 4) + q;
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xv = _mm512_set1_epi32((int)xq[m * (K / 4) + k4]);
+        i0[m] = _mm512_dpbusd_epi32(i0[m], lo, xv);
+        i1[m] = _mm512_dpbusd_epi32(i1[m], hi, xv);
+      }
+    }
+    __m512 d0 = _mm512_loadu_ps((const float*)blk), d1 = _mm512_loadu_ps((const float*)(blk + 64));
+    __m512 o0 = _mm512_loadu_ps((const float*)(blk + 128)), o1 = _mm512_loadu_ps((const float*)(blk + 192));
+    for (int m = 0; m < MT; ++m) {
+      const __m512 sx = _mm512_set1_ps(xs[m * nb + b]), s = _mm512_set1_ps(sq[m * nb + b]);
+      a0[m] = _mm512_fmadd_ps(_mm512_mul_ps(d0, s), _mm512_cvtepi32_ps(i0[m]), _mm512_fmadd_ps(o0, sx, a0[m]));
+      a1[m] = _mm512_fmadd_ps(_mm512_mul_ps(d1, s), _mm512_cvtepi32_ps(i1[m]), _mm512_fmadd_ps(o1, sx, a1[m]));
+    }
+  }
+  for (int m = 0; m < MT; ++m) { _mm512_storeu_ps(y + m * N, a0[m]); _mm512_storeu_ps(y + m * N + 16, a1[m]); }
+}
+
 static uint16_t to_bf16(float f) {  // round to nearest even
   uint32_t u; memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); return (uint16_t)(u >> 16);
 }
@@ -137,7 +176,8 @@ double run(int mode, const uint32_t* xq, const float* sq, const float* xsq, cons
   auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < reps; ++r)
     for (int p = 0; p < panels; ++p) {
-      if (mode == 2) tileC<MT>(xq, sq, xsq, K, pc + p * bc, y + p * P, N);
+      if (mode == 3) tileD<MT>(xq, sq, xsq, K, pa + p * ba, y + p * P, N);
+      else if (mode == 2) tileC<MT>(xq, sq, xsq, K, pc + p * bc, y + p * P, N);
       else if (mode == 1) tileB<MT>(xb, xs, K, pb + p * bb, y + p * P, N);
       else tileA<MT>(x, K, pa + p * ba, y + p * P, N);
     }
@@ -221,7 +261,7 @@ int main(int argc, char** argv) {
     }
   };
   std::vector<float> ya((size_t)M * N), ybv((size_t)M * N), yc((size_t)M * N);
-  R(0, 8, ya.data(), 1); R(1, 8, ybv.data(), 1); R(2, 8, yc.data(), 1);
+  R(0, 8, ya.data(), 1); R(1, 8, ybv.data(), 1); R(2, 8, yc.data(), 1); std::vector<float> yd((size_t)M * N); R(3, 8, yd.data(), 1); double dd = 0; for (size_t i = 0; i < yd.size(); ++i) dd = std::max(dd, (double)std::fabs(yd[i] - yc[i])); printf("max|D - C| = %g\n", dd);
   double ea = 0, eb = 0, ec = 0, ref2 = 0;
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
@@ -238,10 +278,10 @@ int main(int argc, char** argv) {
   std::vector<float> y((size_t)M * N);
   const int reps = 200;
   for (int mt : {1, 2, 4, 8}) {
-    std::vector<double> t[3];
-    for (int it = 0; it < 15; ++it) for (int mode = 0; mode < 3; ++mode) t[mode].push_back(R(mode, mt, y.data(), reps));
+    std::vector<double> t[4];
+    for (int it = 0; it < 15; ++it) for (int mode = 0; mode < 4; ++mode) t[mode].push_back(R(mode, mt, y.data(), reps));
     for (auto& v : t) std::sort(v.begin(), v.end());
-    printf("M=%d  A %.1f us  B %.1f us  C %.1f us   A/B %.2f  B/C %.2f\n", mt, t[0][7] * 1e6, t[1][7] * 1e6, t[2][7] * 1e6,
-           t[0][7] / t[1][7], t[1][7] / t[2][7]);
+    printf("M=%d  A %.1f us  B %.1f us  C %.1f us  D %.1f us  A/B %.2f  B/C %.2f  B/D %.2f\n", mt, t[0][7] * 1e6, t[1][7] * 1e6, t[2][7] * 1e6, t[3][7] * 1e6,
+           t[0][7] / t[1][7], t[1][7] / t[2][7], t[1][7] / t[3][7]);
   }
 }

@@ -45,7 +45,8 @@ class ModelConfig:
     # Projections and the LM head through hsdjax's CPU matmul kernel (``hsdjax.kernels.cpu_matmul``):
     # weights packed in panels, head packed as ``head_panels``. Set by ``load_model`` on CPU when built.
     cpu_matmul: bool = False
-    # "bfloat16": the compressed matmuls round their inputs to bfloat16 (``load_model(cpu_matmul="bf16x")``)
+    # "bfloat16": the compressed 4-bit matmuls round their inputs to bfloat16 (``load_model(cpu_matmul="bf16x")``);
+    # "int8": they quantize them to int8 per 32 k (``cpu_matmul="int8x"``)
     cpu_matmul_activations: str = "float32"
     # KV cache storage dtype; None stores it in the compute dtype. "float16" on CPU halves the bytes a
     # long-context step reads (the cache kernel widens it as it reads); keys and values are rounded once

@@ -85,7 +85,8 @@ def default_layer_loop() -> str:
     return "unrolled" if jax.default_backend() == "cpu" else "scan"
 
 
-CPU_MATMUL_SETTINGS = ("auto", "on", "off", "float32", "bf16x")
+CPU_MATMUL_SETTINGS = ("auto", "on", "off", "float32", "bf16x", "int8x")
+ACTIVATIONS = {"bf16x": "bfloat16", "int8x": "int8"}  # opt-in modes: how the compressed products see x
 
 
 def cpu_matmul_setting(setting: str | None) -> str:
@@ -108,7 +109,9 @@ def use_cpu_matmul(setting: str | None, cfg: ModelConfig, mesh: Any) -> bool:
         why = "the kernel is not built (run `hsdjax cpu-matmul build`)"
     elif why is None and setting == "bf16x" and not cpu_matmul_kernel.has_bf16x():
         why = "this CPU has no AVX512-BF16 / AVX512-VBMI (the bfloat16-activation products)"
-    if why and setting in ("on", "float32", "bf16x"):
+    elif why is None and setting == "int8x" and not cpu_matmul_kernel.has_int8x():
+        why = "this CPU has no AVX512-VNNI / AVX512-VBMI (the int8-activation products)"
+    if why and setting in ("on", "float32", "bf16x", "int8x"):
         raise HsdjaxError(f"cpu_matmul={setting}, but {why}")
     return why is None
 
@@ -183,7 +186,9 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     stream per step); ``float32`` keeps every weight float32. ``bf16x``: compressed weights multiplied
     with activations rounded to bfloat16 (AVX512-BF16 dot products: tree passes about half the
     arithmetic; not the float32 model's outputs, but every method computes the same, so speculative
-    output still equals `ar`'s). Default: ``$HSDJAX_CPU_MATMUL``, else ``auto``.
+    output still equals `ar`'s). ``int8x``: the same with activations quantized to int8 per 32 k
+    (AVX512-VNNI, four k per instruction; coarser than ``bf16x``). Default: ``$HSDJAX_CPU_MATMUL``, else
+    ``auto``.
 
     ``cache_dtype``: the KV cache's storage dtype (default: the compute dtype). ``float16`` halves what
     a long-context step reads; outputs may differ from a float32 cache's (each key and value is rounded
@@ -216,8 +221,8 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     if use_cpu_matmul(cpu_matmul, cfg, mesh):
         compress = cpu_matmul_setting(cpu_matmul) != "float32"
         params = _pack_for_cpu_kernels(params, cfg, source, fingerprint, compress)
-        bf16x = cpu_matmul_setting(cpu_matmul) == "bf16x"
-        cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations="bfloat16" if bf16x else "float32")
+        activations = ACTIVATIONS.get(cpu_matmul_setting(cpu_matmul), "float32")
+        cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations=activations)
     params = sharding.shard_params(cfg, params, mesh)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)

@@ -24,6 +24,7 @@
 // the calling thread and XLA's own intra-op thread pool (no threads of its own).
 #include <atomic>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -292,6 +293,97 @@ template <int MT, int BITS>
 void XTile(const uint32_t*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
 #endif
 
+// ---- int8 activations (opt-in, `cpu_matmul="int8x"`): 4-bit compressed panels only -------------------
+// Each row of x is quantized per 32 k (one block): q = round(x * 127 / max|x|) in int8, scale
+// max|x| / 127. AVX512-VNNI multiplies the block's codes (u8, 0..15) with q (s8) and adds four products
+// per lane in int32 (exact); per block y += (d * scale) * sum(q * code) + offset * sum(q * scale). Four k
+// rows of a block are 64 contiguous bytes, and one byte permute puts each column's four codes in one lane.
+// Every output is one fixed sequence whatever M is (tree passes equal `ar` steps bit for bit); x carries
+// 8 bits per block, coarser than bf16x (what llama.cpp's CPU kernels use).
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+constexpr bool kHaveInt8x = true;
+
+template <int MT>
+void ITile(const uint32_t* xq, const float* sq, const float* xs, int64_t k_len, const uint8_t* panel, float* y,
+           int64_t n) {
+  using F = Format<4>;
+  const int64_t quads_per_row = k_len / 4, blocks = k_len / F::kRows;
+  alignas(64) static const uint8_t kQuadOrder[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+      6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};  // byte 4c + r <- row r's byte c
+  const __m512i order = _mm512_load_si512(kQuadOrder);
+  const __m512i nib = _mm512_set1_epi8(15);
+  __m512 a0[MT], a1[MT];
+  for (int m = 0; m < MT; ++m) {
+    a0[m] = _mm512_setzero_ps();
+    a1[m] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = panel + b * F::kBlockBytes;
+    __m512i i0[MT], i1[MT];
+    for (int m = 0; m < MT; ++m) {
+      i0[m] = _mm512_setzero_si512();
+      i1[m] = _mm512_setzero_si512();
+    }
+    for (int64_t q = 0; q < F::kRows / 4; ++q) {
+      const __m512i quad = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + F::kHeader + 64 * q));
+      const __m512i lo = _mm512_and_si512(quad, nib);                          // columns 0-15
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(quad, 4), nib);    // columns 16-31
+      const int64_t at = b * (F::kRows / 4) + q;
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xq[m * quads_per_row + at]));
+        i0[m] = _mm512_dpbusd_epi32(i0[m], lo, xv);
+        i1[m] = _mm512_dpbusd_epi32(i1[m], hi, xv);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+    const __m512 d1 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
+    const __m512 o0 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 128));
+    const __m512 o1 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 192));
+    for (int m = 0; m < MT; ++m) {
+      const __m512 sx = _mm512_set1_ps(xs[m * blocks + b]), scale = _mm512_set1_ps(sq[m * blocks + b]);
+      a0[m] = _mm512_fmadd_ps(o0, sx, a0[m]);
+      a1[m] = _mm512_fmadd_ps(o1, sx, a1[m]);
+      a0[m] = _mm512_fmadd_ps(_mm512_mul_ps(d0, scale), _mm512_cvtepi32_ps(i0[m]), a0[m]);
+      a1[m] = _mm512_fmadd_ps(_mm512_mul_ps(d1, scale), _mm512_cvtepi32_ps(i1[m]), a1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(y + m * n, a0[m]);
+    _mm512_storeu_ps(y + m * n + 16, a1[m]);
+  }
+}
+#else
+constexpr bool kHaveInt8x = false;
+template <int MT>
+void ITile(const uint32_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
+#endif
+
+// Rows of x [m, k] (k a multiple of 32) quantized per 32 k: q [m, k] int8 (four per word), the block's
+// scale sq [m, k/32] (max|x| / 127) and the sum of the quantized values times the scale xs [m, k/32].
+// Plain C++: the same values on every machine (the reference rounds the same way, half to even).
+void QuantizeActivations(const float* x, int64_t m, int64_t k, uint32_t* xq, float* sq, float* xs) {
+  const int64_t blocks = k / 32;
+  for (int64_t r = 0; r < m; ++r) {
+    int8_t* q = reinterpret_cast<int8_t*>(xq + r * (k / 4));
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k + 32 * b;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+        q[32 * b + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      sq[r * blocks + b] = scale;
+      xs[r * blocks + b] = static_cast<float>(sum) * scale;
+    }
+  }
+}
+
 struct Work {
   const float* x;
   int64_t m, k;
@@ -303,6 +395,8 @@ struct Work {
   int64_t n;
   const uint32_t* xb = nullptr;  // bfloat16 activations (compressed panels only): x rounded, k pairs per row
   const float* xs = nullptr;     // and their sums per 32 k (the offset term of 4-bit blocks)
+  const uint32_t* xq = nullptr;  // int8 activations (compressed 4-bit panels only): four k per word
+  const float* sq = nullptr;     // and their scale per 32 k
 };
 
 // A whole compressed panel decoded to float32 panel layout [K, 32] (for sweeps of more than 8 rows).
@@ -330,6 +424,21 @@ void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) 
   float* ys = w.y + m0 * w.n;
   const uint32_t* xbr = w.xb ? w.xb + m0 * (w.k / 2) : nullptr;
   const float* xsr = w.xs ? w.xs + m0 * (w.k / 32) : nullptr;
+  if (w.xq && bits == 4) {  // at most 4 rows per tile (8 would spill registers); rows are independent
+    const uint32_t* xqr = w.xq + m0 * (w.k / 4);
+    const float* sqr = w.sq + m0 * (w.k / 32);
+    const uint8_t* pq = static_cast<const uint8_t*>(panel);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t at = r0 * (w.k / 4), bt = r0 * (w.k / 32);
+      switch (std::min<int64_t>(4, rows - r0)) {
+        case 4: ITile<4>(xqr + at, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n); break;
+        case 3: ITile<3>(xqr + at, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n); break;
+        case 2: ITile<2>(xqr + at, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n); break;
+        default: ITile<1>(xqr + at, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n); break;
+      }
+    }
+    return;
+  }
 #define HSDJAX_TILE(MT)                                                                                    \
   (xbr && bits == 4 ? XTile<MT, 4>(xbr, xsr, w.k, static_cast<const uint8_t*>(panel), ys, w.n)             \
    : bits == 4    ? QTile<MT, 4>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                       \
@@ -354,7 +463,7 @@ void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) 
 // over k.
 void Panels(const Work& w) {
   std::unique_ptr<float[]> decoded;
-  if (w.bits != 32 && w.m > 8 && !w.xb) decoded.reset(new float[w.k * kPanel]);  // bf16x 4-bit: per 8 rows
+  if (w.bits != 32 && w.m > 8 && !w.xb && !w.xq) decoded.reset(new float[w.k * kPanel]);  // bf16x / int8x 4-bit: per 8 rows
   for (int64_t p = w.p0; p < w.p1; ++p) {
     const void* panel = static_cast<const uint8_t*>(w.wp) + p * w.panel_bytes;
     int bits = w.bits;
@@ -434,8 +543,10 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return WidePanelMatmul(pool, x, wb, y, 16, "hsdjax bfloat16 matmul: expects x [M, K] and panels [N/32, K, 32]");
 }
 
+enum class Activations { kFloat32, kBf16, kInt8 };
+
 ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& wq,
-                      ffi::ResultBuffer<ffi::F32>& y, bool bf16x) {
+                      ffi::ResultBuffer<ffi::F32>& y, Activations act) {
   auto xd = x.dimensions();
   auto wd = wq.dimensions();
   if (xd.size() != 2 || wd.size() != 3) {
@@ -454,8 +565,20 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
   Work all{x.typed_data(), m, k, wq.typed_data(), wd[1] * block, bits, 0, panels, y->typed_data(),
            panels * kPanel};
   std::unique_ptr<uint32_t[]> xb;
-  std::unique_ptr<float[]> xs;
-  if (bf16x && bits == 4) {  // 8-bit blocks keep the float32 chains (widening int8 to bfloat16 costs more)
+  std::unique_ptr<float[]> xs, sq;
+  if (act == Activations::kInt8 && bits == 4) {  // 8-bit blocks keep the float32 chains
+    if (!kHaveInt8x) {
+      return ffi::Error::InvalidArgument("hsdjax int8x matmul: this build has no AVX512-VNNI / AVX512-VBMI");
+    }
+    xb.reset(new uint32_t[m * (k / 4)]);
+    sq.reset(new float[m * (k / 32)]);
+    xs.reset(new float[m * (k / 32)]);
+    QuantizeActivations(x.typed_data(), m, k, xb.get(), sq.get(), xs.get());
+    all.xq = xb.get();
+    all.sq = sq.get();
+    all.xs = xs.get();
+  }
+  if (act == Activations::kBf16 && bits == 4) {  // 8-bit blocks keep the float32 chains (widening int8 to bfloat16 costs more)
     if (!kHaveBf16x) {
       return ffi::Error::InvalidArgument("hsdjax bf16x matmul: this build has no AVX512-BF16 / AVX512-VBMI");
     }
@@ -472,12 +595,17 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
 
 ffi::Error CompressedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
                             ffi::ResultBuffer<ffi::F32> y) {
-  return Compressed(pool, x, wq, y, false);
+  return Compressed(pool, x, wq, y, Activations::kFloat32);
 }
 
 ffi::Error CompressedMatmulBf16x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
                                  ffi::ResultBuffer<ffi::F32> y) {
-  return Compressed(pool, x, wq, y, true);
+  return Compressed(pool, x, wq, y, Activations::kBf16);
+}
+
+ffi::Error CompressedMatmulInt8x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                                 ffi::ResultBuffer<ffi::F32> y) {
+  return Compressed(pool, x, wq, y, Activations::kInt8);
 }
 
 }  // namespace
@@ -509,6 +637,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulBf16x, CompressedMatmulBf16x
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulInt8x, CompressedMatmulInt8x,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether this build has the int8-activation products (AVX512-VNNI and AVX512-VBMI).
+extern "C" int HsdjaxHasInt8x() { return kHaveInt8x ? 1 : 0; }
 
 // Whether this build has the bfloat16-activation products (AVX512-BF16 and AVX512-VBMI).
 extern "C" int HsdjaxHasBf16x() { return kHaveBf16x ? 1 : 0; }

@@ -46,6 +46,7 @@ SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cc"))  # one library:
 TARGET = "hsdjax_panel_matmul"
 COMPRESSED_TARGET = "hsdjax_compressed_matmul"
 COMPRESSED_BF16X_TARGET = "hsdjax_compressed_matmul_bf16x"  # activations rounded to bfloat16 (opt-in)
+COMPRESSED_INT8X_TARGET = "hsdjax_compressed_matmul_int8x"  # activations quantized to int8 per 32 k (opt-in)
 BF16_TARGET = "hsdjax_bf16_matmul"  # bfloat16 panels (a drafter's trained matrices: exact, half the bytes)
 ATTENTION_TARGET = "hsdjax_cache_attention"
 ATTENTION_F16_TARGET = "hsdjax_cache_attention_f16"  # the same over a float16 KV cache
@@ -105,6 +106,8 @@ def load() -> bool:
         jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.HsdjaxBf16Matmul), platform="cpu")
         jax.ffi.register_ffi_target(COMPRESSED_BF16X_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmulBf16x),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(COMPRESSED_INT8X_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmulInt8x),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttention), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_F16_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttentionF16),
                                     platform="cpu")
@@ -119,6 +122,12 @@ def has_bf16x() -> bool:
     """Whether the loaded kernel has the bfloat16-activation products (built on a CPU with AVX512-BF16
     and AVX512-VBMI)."""
     return bool(load() and _state["loaded"].HsdjaxHasBf16x())
+
+
+def has_int8x() -> bool:
+    """Whether the loaded kernel has the int8-activation products (built on a CPU with AVX512-VNNI and
+    AVX512-VBMI)."""
+    return bool(load() and _state["loaded"].HsdjaxHasInt8x())
 
 
 def unsupported(cfg: Any) -> str | None:
@@ -356,12 +365,24 @@ def is_bf16(wp: Any) -> bool:
 # ------------------------------------------------------------------------------------------ the product
 
 
+def quantize_activations(x: Float[Array, "... K"]) -> Float[Array, "... K"]:
+    """x as the int8x products see it: per 32 k, round(x * 127 / max|x|) (half to even) times max|x| / 127."""
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    inv = jnp.where(amax > 0, jnp.float32(127) / jnp.where(amax > 0, amax, 1), 0)
+    q = jnp.round(blocks * inv)
+    return (q * (amax / jnp.float32(127))).reshape(x.shape)
+
+
 def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str = "float32") -> Float[Array, "... N"]:
     """``x @ unpack(wp)`` in jnp (the reference the kernel is tested against); ``activations="bfloat16"``
     with 4-bit panels: x rounded to bfloat16 first (what the bf16x products compute, up to float32
-    rounding; 8-bit panels keep the float32 products)."""
+    rounding; 8-bit panels keep the float32 products); ``"int8"``: x quantized per 32 k
+    (``quantize_activations``, what the int8x products compute)."""
     if activations == "bfloat16" and is_compressed(wp) and compressed_bits(wp) == 4:
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    if activations == "int8" and is_compressed(wp) and compressed_bits(wp) == 4:
+        x = quantize_activations(x)
     if is_compressed(wp):
         wp = decompress(wp)
     wp = wp.astype(jnp.float32)  # bfloat16 panels: exact
@@ -375,7 +396,8 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
     ``activations="bfloat16"`` (4-bit compressed panels; ``load_model(cpu_matmul="bf16x")``): x rounded
     to bfloat16 and multiplied with AVX512-BF16 dot products, fewer instructions where a pass is bound by
     arithmetic (tree passes), not the float32 product; still the same for every M. Other panels keep
-    the float32 products."""
+    the float32 products. ``"int8"`` (``cpu_matmul="int8x"``): x quantized to int8 per 32 k and
+    multiplied with AVX512-VNNI (four k per instruction), coarser still, same for every M too."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:
@@ -383,7 +405,8 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
     n = wp.shape[0] * PANEL
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     if is_compressed(wp):
-        name = COMPRESSED_BF16X_TARGET if activations == "bfloat16" else COMPRESSED_TARGET
+        name = {"bfloat16": COMPRESSED_BF16X_TARGET, "int8": COMPRESSED_INT8X_TARGET}.get(activations,
+                                                                                          COMPRESSED_TARGET)
         y = jax.ffi.ffi_call(name, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
     elif is_bf16(wp):
         y = jax.ffi.ffi_call(BF16_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)

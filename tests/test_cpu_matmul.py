@@ -182,6 +182,41 @@ def test_bf16x_products_round_only_the_activations_and_are_the_same_for_every_ro
                                rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+def test_int8x_products_quantize_only_the_activations_and_are_the_same_for_every_row_count(kernel):
+    """``cpu_matmul="int8x"``: x quantized to int8 per 32 k (scale max|x| / 127), products summed exactly
+    in int32, the block's scale and offset applied once: the product of the quantized x with the exact
+    weight up to float32 rounding; every row bitwise the same alone or in a batch; 8-bit panels and rows
+    of zeros handled; the jnp reference quantizes the same way."""
+    if not cpu_matmul.has_int8x():
+        pytest.skip("this CPU has no AVX512-VNNI / AVX512-VBMI")
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((19, 576)).astype(np.float32)
+    x[3] = 0.0  # a row of zeros: scale 0, no division by zero
+    x[4, :32] *= 1e3  # one large block: the others keep their own scales
+    x = jnp.asarray(x)
+    w8 = cpu_matmul.compress_weight(jnp.asarray(block_quantized(rng, 576, 64, 8)))
+    assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x, w8, activations="int8")),
+                          np.asarray(cpu_matmul.panel_matmul(x, w8)))
+    w = block_quantized(rng, 576, 320, 4)
+    wq = cpu_matmul.compress_weight(jnp.asarray(w))
+    whole = np.asarray(cpu_matmul.panel_matmul(x, wq, activations="int8"))
+    quantized = np.asarray(cpu_matmul.quantize_activations(x), np.float64)
+    levels = np.asarray(cpu_matmul.quantize_activations(x)).reshape(19, 18, 32)
+    per_block = np.abs(levels).max(-1, keepdims=True)
+    steps = np.divide(levels, per_block / 127, out=np.zeros_like(levels), where=per_block > 0)
+    assert np.allclose(steps, np.round(steps), atol=1e-3) and np.abs(steps).max() <= 127.001  # int8 levels
+    want = quantized @ w.astype(np.float64)
+    np.testing.assert_allclose(whole, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    assert np.all(whole[3] == whole[3][0])  # x = 0: the offsets times 0, nothing else
+    exact = np.asarray(x, np.float64) @ w.astype(np.float64)
+    assert np.abs(whole - exact).max() > 1e3 * np.abs(want - whole).max()  # it is not the float32 product
+    for lo, hi in ((0, 1), (5, 6), (2, 10), (8, 19), (0, 19)):
+        part = jax.jit(functools.partial(cpu_matmul.panel_matmul, activations="int8"))(x[lo:hi], wq)
+        assert np.array_equal(np.asarray(part), whole[lo:hi])
+    np.testing.assert_allclose(np.asarray(cpu_matmul.panel_matmul_reference(x, wq, activations="int8")), want,
+                               rtol=0, atol=2e-5 * np.abs(want).max())
+
+
 def test_bfloat16_panels_give_the_float32_panels_products_bitwise(kernel):
     """A matrix whose values are bfloat16 values (a drafter checkpoint's) is packed in bfloat16: the
     kernel widens each value exactly, so every row count (8-row tiles and the decoded sweep past 8)
@@ -249,11 +284,13 @@ def test_speculative_decoding_through_the_kernel_equals_ar(kernel):
     assert got == want
 
 
-def test_speculative_decoding_with_bf16x_activations_equals_ar(kernel):
+@pytest.mark.parametrize("activations", ["bfloat16", "int8"])
+def test_speculative_decoding_with_bf16x_or_int8x_activations_equals_ar(kernel, activations):
     """A tiny model whose weights are block codes (as a Q4_1 / Q8_0 GGUF's), run with activations
-    rounded to bfloat16: every pass rounds the same way, so `pld`'s tree passes give `ar`'s tokens."""
-    if not cpu_matmul.has_bf16x():
-        pytest.skip("this CPU has no AVX512-BF16 / AVX512-VBMI")
+    rounded to bfloat16 or quantized to int8: every pass rounds the same way, so `pld`'s tree passes
+    give `ar`'s tokens."""
+    if not (cpu_matmul.has_bf16x() if activations == "bfloat16" else cpu_matmul.has_int8x()):
+        pytest.skip(f"this CPU lacks the {activations} activation products")
     rng = np.random.default_rng(7)
     params = init_params(PANEL_LLAMA, seed=6)
 
@@ -267,7 +304,7 @@ def test_speculative_decoding_with_bf16x_activations_equals_ar(kernel):
     packed = cpu_matmul.pack_params(params, True)
     assert all(cpu_matmul.is_compressed(packed["layers"][k]) for k in ("wq", "wk", "w_up", "w_down"))
     assert cpu_matmul.is_compressed(packed["head_panels"])
-    cfg = PANEL_LLAMA.replace(cpu_matmul=True, cpu_matmul_activations="bfloat16")
+    cfg = PANEL_LLAMA.replace(cpu_matmul=True, cpu_matmul_activations=activations)
     motif = rng.integers(0, cfg.vocab_size, 6).tolist()
     prompts = [motif * 3 + rng.integers(0, cfg.vocab_size, 4).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
     want = run_engine(cfg, packed, prompts, 24)
@@ -278,7 +315,7 @@ def test_speculative_decoding_with_bf16x_activations_equals_ar(kernel):
 
 
 def test_load_setting_is_checked_and_explained(kernel):
-    with pytest.raises(HsdjaxError, match="auto, on, off, float32, bf16x"):
+    with pytest.raises(HsdjaxError, match="auto, on, off, float32, bf16x, int8x"):
         use_cpu_matmul("fast", PANEL_LLAMA, None)
     assert use_cpu_matmul("off", PANEL_LLAMA, None) is False
     assert use_cpu_matmul("auto", PANEL_LLAMA, None) is True
