@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--init", default=None, metavar="CHECKPOINT",
                     help="start training from this drafter checkpoint (same shape and target; 'shipped': the "
                          "shipped one) instead of fresh weights; overrides the config's train.init")
+    tr.add_argument("--new-data-only", action="store_true",
+                    help="with a warm start: train on the data past the checkpoint's own alone (the same prompt "
+                         "sequence, grown with a larger --token-budget); its held-out tail is then unseen too")
     add_mesh_args(tr)
 
     k = sub.add_parser("cpu-matmul", help="build or check hsdjax's optional CPU matmul kernel (needs a C++ compiler)")
@@ -316,7 +319,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     # the target is sharded over --mesh for data generation; the drafter trains data-parallel over its data axis
     summary = run(args.config, stage=args.stage, out=args.out, token_budget=args.token_budget,
                   max_steps=args.max_steps, epochs=args.epochs, log=_log, mesh=mesh_from_args(args),
-                  init=args.init)
+                  init=args.init, new_data_only=args.new_data_only)
     print(json.dumps(summary.get("checkpoint", summary["data"])))
     return 0
 

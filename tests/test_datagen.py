@@ -233,3 +233,24 @@ def test_multi_turn_prompts_become_one_document(params, tmp_path):
         want[len(p1): q + 1] = True  # answer 1 and the end token the template writes after it
         want[q + len(seq):] = True
         assert np.array_equal(doc["answer"], want), i
+
+
+def test_load_shards_can_leave_out_the_data_a_warm_start_has_seen(params, tmp_path):
+    """``skip_answers``: whole shards holding any of the first N answer tokens are left out; what is kept is
+    the same documents, in order, as the tail of the whole folder; past the end is a clear error."""
+    cfg = dict(CFG_DATA, shard_tokens=60, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(14, seed=3)))
+    man = generate_data(tiny_model(params), cfg, tmp_path / "data", progress=False)
+    shards = man["shards"]
+    assert len(shards) >= 3
+    whole = load_shards(tmp_path / "data")
+    first = int(shards[0]["answer_tokens"])
+    for skip, dropped in ((first, 1), (first + 1, 2)):
+        tail = load_shards(tmp_path / "data", skip_answers=skip)
+        tokens = sum(int(s["tokens"]) for s in shards[:dropped])
+        assert tail["manifest"]["skipped_tokens"] == tokens
+        assert tail["manifest"]["skipped_answers"] == sum(int(s["answer_tokens"]) for s in shards[:dropped])
+        assert np.array_equal(tail["tokens"], whole["tokens"][tokens:])
+        assert np.array_equal(np.asarray(tail["states"], np.float32), np.asarray(whole["states"][tokens:], np.float32))
+        assert tail["doc"][0] == 0 and np.array_equal(np.diff(tail["doc"]), np.diff(whole["doc"][tokens:]))
+    with pytest.raises(HsdjaxError, match="no shard lies past"):
+        load_shards(tmp_path / "data", skip_answers=int(man["answer_tokens"]))

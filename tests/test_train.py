@@ -336,16 +336,26 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
         read_config(path)
 
 
-def test_warm_start_on_seen_data_is_called_out():
+def test_warm_start_on_seen_data_is_called_out(tmp_path):
     """Same data settings (the budget aside) are the same seeded prompt sequence: a warm start on no more
-    tokens than its checkpoint saw adds epochs, not data, and the run says so."""
-    from hsdjax.train.pipeline import seen_data_note
+    answer tokens than its checkpoint saw adds epochs, not data, and the run says so; --new-data-only
+    needs a warm start whose data it can place."""
+    from hsdjax.train.pipeline import seen_answers, seen_data_note, train_from_config
 
     data = {"prompts": ["p.jsonl"], "seed": 0, "token_budget": 2_000_000, "max_new_tokens": 256}
-    info = {"data_tokens": 2_000_000, "config": {"data": data}}
-    seen = seen_data_note(info, {**data, "token_budget": 4_000_000}, 1_500_000)
-    assert seen is not None and "all of it" in seen and "1500000" in seen
-    grown = seen_data_note(info, {**data, "token_budget": 4_000_000}, 3_000_000)
-    assert grown is not None and "1000000 are new" in grown
+    info = {"data_tokens": 2_000_000, "answer_tokens": 1_200_000, "config": {"data": data}}
+    seen = seen_data_note(info, {**data, "token_budget": 4_000_000}, 1_100_000)
+    assert seen is not None and "all of it" in seen and "1100000" in seen
+    grown = seen_data_note(info, {**data, "token_budget": 4_000_000}, 1_700_000)
+    assert grown is not None and "500000 are new" in grown and "--new-data-only" in grown
+    assert seen_answers(info, {**data, "token_budget": 4_000_000}) == 1_200_000
     assert seen_data_note(info, {**data, "seed": 1}, 1_500_000) is None  # another prompt sequence
-    assert seen_data_note({"data_tokens": None}, data, 1_500_000) is None  # a checkpoint without a record
+    assert seen_answers(info, {**data, "seed": 1}) is None
+    assert seen_data_note({"data_tokens": 5}, data, 1_500_000) is None  # a checkpoint without a record
+    cfg = {"target": "t", "method": "hsd", "data": data, "name": "x"}
+    with pytest.raises(HsdjaxError, match="give --init"):
+        train_from_config(cfg, None, tmp_path, out=None, max_steps=1, epochs=None, progress=False, log=print,
+                          new_data_only=True)
+    with pytest.raises(HsdjaxError, match="not found"):
+        train_from_config(cfg, None, tmp_path, out=None, max_steps=1, epochs=None, progress=False, log=print,
+                          init=str(tmp_path / "none.safetensors"), new_data_only=True)

@@ -581,8 +581,11 @@ def flatten_recorded(state: Any, prompt_lens: list[int]) -> dict[str, np.ndarray
     return out
 
 
-def load_shards(folder: Path, limit_tokens: int | None = None) -> dict[str, np.ndarray]:
+def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int = 0) -> dict[str, np.ndarray]:
     """All shards of a data folder as one flat stream; ``states`` as bfloat16 [N, F, E].
+
+    ``skip_answers``: leave out every shard that holds any of the folder's first ``skip_answers`` answer
+    tokens (whole shards); the manifest copy then records ``skipped_tokens`` and ``skipped_answers``.
 
     Each array is allocated once at its final size and filled shard by shard (2M tokens of SmolLM2
     states are ~9 GB: a concatenation would need twice that)."""
@@ -590,13 +593,20 @@ def load_shards(folder: Path, limit_tokens: int | None = None) -> dict[str, np.n
     if not man_path.exists():
         raise HsdjaxError(f"no drafter data in {folder} (run `hsdjax train-drafter CONFIG --stage data` first)")
     man = json.loads(man_path.read_text())
-    shards, total = [], 0
+    shards, total, skipped, skipped_answers = [], 0, 0, 0
     for shard in man["shards"]:
         if limit_tokens and total >= limit_tokens:
             break
+        if skipped_answers < skip_answers:
+            skipped += int(shard["tokens"])
+            skipped_answers += int(shard["answer_tokens"])
+            continue
         shards.append(shard)
         total += int(shard["tokens"])
     if not shards:
+        if skip_answers:
+            raise HsdjaxError(f"drafter data in {folder}: no shard lies past its first {skip_answers} answer "
+                              f"tokens (it holds {skipped_answers}); a larger --token-budget extends it")
         raise HsdjaxError(f"drafter data in {folder} has no shards yet")
     data: dict[str, np.ndarray] = {}
     at, doc_offset = 0, 0
@@ -614,5 +624,5 @@ def load_shards(folder: Path, limit_tokens: int | None = None) -> dict[str, np.n
             data[k][at: at + n] = v
         at += n
     data["states"] = data["states"].view(ml_dtypes.bfloat16)
-    data["manifest"] = man
+    data["manifest"] = {**man, "skipped_tokens": skipped, "skipped_answers": skipped_answers}
     return data
