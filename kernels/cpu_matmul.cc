@@ -293,7 +293,7 @@ template <int MT, int BITS>
 void XTile(const uint32_t*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
 #endif
 
-// ---- int8 activations (opt-in, `cpu_matmul="int8x"`): 4-bit compressed panels only -------------------
+// ---- int8 activations (opt-in, `cpu_matmul="int8x"`): compressed panels, K a multiple of 32 ----------
 // Each row of x is quantized per 32 k (one block): q = round(x * 127 / max|x|) in int8, scale
 // max|x| / 127. AVX512-VNNI multiplies the block's codes (u8, 0..15) with q (s8) and adds four products
 // per lane in int32 (exact); per block y += (d * scale) * sum(q * code) + offset * sum(q * scale). Four k
@@ -354,10 +354,74 @@ void ITile(const uint32_t* xq, const float* sq, const float* xs, int64_t k_len, 
     _mm512_storeu_ps(y + m * n + 16, a1[m]);
   }
 }
+
+// 8-bit blocks (a Q8_0 head: 16 k, 32 scales, int8 codes). VNNI multiplies an unsigned byte with a
+// signed one, and here both are signed: x goes in as q + 128 (q ^ 0x80, 1..255) and 128 * sum(codes)
+// comes off again per block and column, counted with the same instruction against ones (once per
+// panel, shared by the rows). Four k rows of a block are 128 bytes: one two-source byte permute per 16
+// columns puts each column's four codes in one lane. Per block y += (d * scale) * (sum((q + 128) * code)
+// - 128 * sum(code)), exact in int32; the activation scale is that of the 32 k the block lies in.
+template <int MT>
+void ITile8(const uint32_t* xq, const float* sq, int64_t k_len, const uint8_t* panel, float* y, int64_t n) {
+  using F = Format<8>;
+  const int64_t quads_per_row = k_len / 4, blocks = k_len / F::kRows, x_blocks = k_len / 32;
+  alignas(64) static const uint8_t kColumns[2][64] = {  // byte 4c + r <- row r's byte c (+ 16)
+      {0,  32, 64, 96,  1,  33, 65, 97,  2,  34, 66, 98,  3,  35, 67, 99,  4,  36, 68, 100, 5,  37,
+       69, 101, 6,  38, 70, 102, 7,  39, 71, 103, 8,  40, 72, 104, 9,  41, 73, 105, 10, 42, 74, 106,
+       11, 43, 75, 107, 12, 44, 76, 108, 13, 45, 77, 109, 14, 46, 78, 110, 15, 47, 79, 111},
+      {16, 48, 80, 112, 17, 49, 81, 113, 18, 50, 82, 114, 19, 51, 83, 115, 20, 52, 84, 116, 21, 53,
+       85, 117, 22, 54, 86, 118, 23, 55, 87, 119, 24, 56, 88, 120, 25, 57, 89, 121, 26, 58, 90, 122,
+       27, 59, 91, 123, 28, 60, 92, 124, 29, 61, 93, 125, 30, 62, 94, 126, 31, 63, 95, 127}};
+  const __m512i lo_order = _mm512_load_si512(kColumns[0]), hi_order = _mm512_load_si512(kColumns[1]);
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512 a0[MT], a1[MT];
+  for (int m = 0; m < MT; ++m) {
+    a0[m] = _mm512_setzero_ps();
+    a1[m] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = panel + b * F::kBlockBytes;
+    __m512i i0[MT], i1[MT];
+    for (int m = 0; m < MT; ++m) {
+      i0[m] = _mm512_setzero_si512();
+      i1[m] = _mm512_setzero_si512();
+    }
+    __m512i c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+    for (int64_t q = 0; q < F::kRows / 4; ++q) {
+      const uint8_t* rows = blk + F::kHeader + 4 * F::kRowBytes * q;
+      const __m512i r01 = _mm512_loadu_si512(rows), r23 = _mm512_loadu_si512(rows + 64);
+      const __m512i lo = _mm512_permutex2var_epi8(r01, lo_order, r23);  // columns 0-15
+      const __m512i hi = _mm512_permutex2var_epi8(r01, hi_order, r23);  // columns 16-31
+      c0 = _mm512_dpbusd_epi32(c0, ones, lo);
+      c1 = _mm512_dpbusd_epi32(c1, ones, hi);
+      const int64_t at = b * (F::kRows / 4) + q;
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xq[m * quads_per_row + at] ^ 0x80808080u));
+        i0[m] = _mm512_dpbusd_epi32(i0[m], xv, lo);
+        i1[m] = _mm512_dpbusd_epi32(i1[m], xv, hi);
+      }
+    }
+    c0 = _mm512_slli_epi32(c0, 7);
+    c1 = _mm512_slli_epi32(c1, 7);
+    const __m512 d0 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+    const __m512 d1 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
+    for (int m = 0; m < MT; ++m) {
+      const __m512 scale = _mm512_set1_ps(sq[m * x_blocks + b / 2]);
+      a0[m] = _mm512_fmadd_ps(_mm512_mul_ps(d0, scale), _mm512_cvtepi32_ps(_mm512_sub_epi32(i0[m], c0)), a0[m]);
+      a1[m] = _mm512_fmadd_ps(_mm512_mul_ps(d1, scale), _mm512_cvtepi32_ps(_mm512_sub_epi32(i1[m], c1)), a1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(y + m * n, a0[m]);
+    _mm512_storeu_ps(y + m * n + 16, a1[m]);
+  }
+}
 #else
 constexpr bool kHaveInt8x = false;
 template <int MT>
 void ITile(const uint32_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
+template <int MT>
+void ITile8(const uint32_t*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
 #endif
 
 // Rows of x [m, k] (k a multiple of 32) quantized per 32 k: q [m, k] int8 (four per word), the block's
@@ -395,7 +459,7 @@ struct Work {
   int64_t n;
   const uint32_t* xb = nullptr;  // bfloat16 activations (compressed panels only): x rounded, k pairs per row
   const float* xs = nullptr;     // and their sums per 32 k (the offset term of 4-bit blocks)
-  const uint32_t* xq = nullptr;  // int8 activations (compressed 4-bit panels only): four k per word
+  const uint32_t* xq = nullptr;  // int8 activations (compressed panels only): four k per word
   const float* sq = nullptr;     // and their scale per 32 k
 };
 
@@ -424,17 +488,27 @@ void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) 
   float* ys = w.y + m0 * w.n;
   const uint32_t* xbr = w.xb ? w.xb + m0 * (w.k / 2) : nullptr;
   const float* xsr = w.xs ? w.xs + m0 * (w.k / 32) : nullptr;
-  if (w.xq && bits == 4) {  // at most 4 rows per tile (8 would spill registers); rows are independent
+  if (w.xq && (bits == 4 || bits == 8)) {  // at most 4 rows per tile (8 would spill); rows are independent
     const uint32_t* xqr = w.xq + m0 * (w.k / 4);
     const float* sqr = w.sq + m0 * (w.k / 32);
     const uint8_t* pq = static_cast<const uint8_t*>(panel);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const int64_t at = r0 * (w.k / 4), bt = r0 * (w.k / 32);
+      float* yr = ys + r0 * w.n;
+      if (bits == 8) {
+        switch (std::min<int64_t>(4, rows - r0)) {
+          case 4: ITile8<4>(xqr + at, sqr + bt, w.k, pq, yr, w.n); break;
+          case 3: ITile8<3>(xqr + at, sqr + bt, w.k, pq, yr, w.n); break;
+          case 2: ITile8<2>(xqr + at, sqr + bt, w.k, pq, yr, w.n); break;
+          default: ITile8<1>(xqr + at, sqr + bt, w.k, pq, yr, w.n); break;
+        }
+        continue;
+      }
       switch (std::min<int64_t>(4, rows - r0)) {
-        case 4: ITile<4>(xqr + at, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n); break;
-        case 3: ITile<3>(xqr + at, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n); break;
-        case 2: ITile<2>(xqr + at, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n); break;
-        default: ITile<1>(xqr + at, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n); break;
+        case 4: ITile<4>(xqr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n); break;
+        case 3: ITile<3>(xqr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n); break;
+        case 2: ITile<2>(xqr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n); break;
+        default: ITile<1>(xqr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n); break;
       }
     }
     return;
@@ -566,7 +640,7 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
            panels * kPanel};
   std::unique_ptr<uint32_t[]> xb;
   std::unique_ptr<float[]> xs, sq;
-  if (act == Activations::kInt8 && bits == 4) {  // 8-bit blocks keep the float32 chains
+  if (act == Activations::kInt8 && k % 32 == 0) {  // x is quantized per 32 k (else: the float32 chains)
     if (!kHaveInt8x) {
       return ffi::Error::InvalidArgument("hsdjax int8x matmul: this build has no AVX512-VNNI / AVX512-VBMI");
     }

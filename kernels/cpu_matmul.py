@@ -378,10 +378,10 @@ def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str =
     """``x @ unpack(wp)`` in jnp (the reference the kernel is tested against); ``activations="bfloat16"``
     with 4-bit panels: x rounded to bfloat16 first (what the bf16x products compute, up to float32
     rounding; 8-bit panels keep the float32 products); ``"int8"``: x quantized per 32 k
-    (``quantize_activations``, what the int8x products compute)."""
+    (``quantize_activations``, what the int8x products compute for 4-bit and 8-bit panels alike)."""
     if activations == "bfloat16" and is_compressed(wp) and compressed_bits(wp) == 4:
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
-    if activations == "int8" and is_compressed(wp) and compressed_bits(wp) == 4:
+    if activations == "int8" and is_compressed(wp) and x.shape[-1] % 32 == 0:
         x = quantize_activations(x)
     if is_compressed(wp):
         wp = decompress(wp)
@@ -397,7 +397,8 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
     to bfloat16 and multiplied with AVX512-BF16 dot products, fewer instructions where a pass is bound by
     arithmetic (tree passes), not the float32 product; still the same for every M. Other panels keep
     the float32 products. ``"int8"`` (``cpu_matmul="int8x"``): x quantized to int8 per 32 k and
-    multiplied with AVX512-VNNI (four k per instruction), coarser still, same for every M too."""
+    multiplied with AVX512-VNNI (four k per instruction) by 4-bit and 8-bit panels (K a multiple of 32),
+    coarser still, same for every M too."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:

@@ -185,8 +185,8 @@ def test_bf16x_products_round_only_the_activations_and_are_the_same_for_every_ro
 def test_int8x_products_quantize_only_the_activations_and_are_the_same_for_every_row_count(kernel):
     """``cpu_matmul="int8x"``: x quantized to int8 per 32 k (scale max|x| / 127), products summed exactly
     in int32, the block's scale and offset applied once: the product of the quantized x with the exact
-    weight up to float32 rounding; every row bitwise the same alone or in a batch; 8-bit panels and rows
-    of zeros handled; the jnp reference quantizes the same way."""
+    weight up to float32 rounding, for 4-bit and 8-bit (signed codes) panels; every row bitwise the same
+    alone or in a batch; rows of zeros handled; the jnp reference quantizes the same way."""
     if not cpu_matmul.has_int8x():
         pytest.skip("this CPU has no AVX512-VNNI / AVX512-VBMI")
     rng = np.random.default_rng(11)
@@ -194,10 +194,11 @@ def test_int8x_products_quantize_only_the_activations_and_are_the_same_for_every
     x[3] = 0.0  # a row of zeros: scale 0, no division by zero
     x[4, :32] *= 1e3  # one large block: the others keep their own scales
     x = jnp.asarray(x)
-    w8 = cpu_matmul.compress_weight(jnp.asarray(block_quantized(rng, 576, 64, 8)))
-    assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x, w8, activations="int8")),
-                          np.asarray(cpu_matmul.panel_matmul(x, w8)))
-    w = block_quantized(rng, 576, 320, 4)
+    for bits, n in ((8, 96), (4, 320)):
+        int8x_products_check(x, block_quantized(rng, 576, n, bits))
+
+
+def int8x_products_check(x, w):
     wq = cpu_matmul.compress_weight(jnp.asarray(w))
     whole = np.asarray(cpu_matmul.panel_matmul(x, wq, activations="int8"))
     quantized = np.asarray(cpu_matmul.quantize_activations(x), np.float64)
@@ -207,7 +208,7 @@ def test_int8x_products_quantize_only_the_activations_and_are_the_same_for_every
     assert np.allclose(steps, np.round(steps), atol=1e-3) and np.abs(steps).max() <= 127.001  # int8 levels
     want = quantized @ w.astype(np.float64)
     np.testing.assert_allclose(whole, want, rtol=0, atol=2e-5 * np.abs(want).max())
-    assert np.all(whole[3] == whole[3][0])  # x = 0: the offsets times 0, nothing else
+    assert np.all(whole[3] == whole[3][0])  # x = 0: the offsets times 0 (8-bit blocks: none), nothing else
     exact = np.asarray(x, np.float64) @ w.astype(np.float64)
     assert np.abs(whole - exact).max() > 1e3 * np.abs(want - whole).max()  # it is not the float32 product
     for lo, hi in ((0, 1), (5, 6), (2, 10), (8, 19), (0, 19)):
