@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--new-data-only", action="store_true",
                     help="with a warm start: train on the data past the checkpoint's own alone (the same prompt "
                          "sequence, grown with a larger --token-budget); its held-out tail is then unseen too")
+    tr.add_argument("--first-prompt", type=_int_at_least(0, 10_000_000), default=None, metavar="N",
+                    help="start the data at index N of the config's prompt sequence (its own data folder): a "
+                         "slice a drafter trained on the sequence's beginning has not seen; overrides "
+                         "data.first_prompt")
     add_mesh_args(tr)
 
     k = sub.add_parser("cpu-matmul", help="build or check hsdjax's optional CPU matmul kernel (needs a C++ compiler)")
@@ -319,7 +323,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     # the target is sharded over --mesh for data generation; the drafter trains data-parallel over its data axis
     summary = run(args.config, stage=args.stage, out=args.out, token_budget=args.token_budget,
                   max_steps=args.max_steps, epochs=args.epochs, log=_log, mesh=mesh_from_args(args),
-                  init=args.init, new_data_only=args.new_data_only)
+                  init=args.init, new_data_only=args.new_data_only, first_prompt=args.first_prompt)
     print(json.dumps(summary.get("checkpoint", summary["data"])))
     return 0
 

@@ -254,3 +254,25 @@ def test_load_shards_can_leave_out_the_data_a_warm_start_has_seen(params, tmp_pa
         assert tail["doc"][0] == 0 and np.array_equal(np.diff(tail["doc"]), np.diff(whole["doc"][tokens:]))
     with pytest.raises(HsdjaxError, match="no shard lies past"):
         load_shards(tmp_path / "data", skip_answers=int(man["answer_tokens"]))
+
+
+def test_first_prompt_starts_a_new_slice_of_the_same_stream(params, tmp_path):
+    """``first_prompt`` K: the data holds exactly the stream's prompts from K on, each document equal to the
+    one a run from the start writes; loading records the prompt span; 0 names the same folder as no
+    setting; a start past the stream is a clear error."""
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(12, seed=5)))
+    model = tiny_model(params)
+    generate_data(model, cfg, tmp_path / "all", progress=False)
+    generate_data(model, dict(cfg, first_prompt=7), tmp_path / "tail", progress=False)
+    whole, _ = docs_by_prompt(tmp_path / "all")
+    tail, _ = docs_by_prompt(tmp_path / "tail")
+    assert sorted(tail) == list(range(7, 12))
+    for index, doc in tail.items():
+        assert np.array_equal(doc["tokens"], whole[index]["tokens"])
+    assert load_shards(tmp_path / "tail")["manifest"]["prompt_span"] == [7, 11]
+    assert datagen.data_key("fp", dict(cfg, first_prompt=0)) == datagen.data_key("fp", cfg)
+    assert datagen.data_key("fp", dict(cfg, first_prompt=7)) != datagen.data_key("fp", cfg)
+    with pytest.raises(HsdjaxError, match="past the end of the prompt stream"):
+        generate_data(model, dict(cfg, first_prompt=12), tmp_path / "none", progress=False)
+    with pytest.raises(HsdjaxError, match="first_prompt must be"):
+        generate_data(model, dict(cfg, first_prompt=-1), tmp_path / "bad", progress=False)

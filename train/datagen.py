@@ -14,6 +14,8 @@ turn by turn, each turn seeing the target's own earlier answers; the whole conve
 Documents become shards (``shard_00000.npz`` ...); ``manifest.json`` lists the shards and, per shard, the
 stream indices of its prompts, so a process killed at any moment resumes without redoing or losing a
 shard (rows in flight at the kill are simply generated again). Work stops at a token budget.
+``first_prompt`` starts the work at a later index of the same stream: a slice of prompts that a drafter
+trained on the stream's beginning has never seen (its own folder).
 """
 
 from __future__ import annotations
@@ -136,8 +138,10 @@ def prompt_stream(data_cfg: dict[str, Any]) -> list[dict[str, Any]]:
 def data_key(target_fingerprint: str, data_cfg: dict[str, Any]) -> str:
     """Folder name for a data configuration: same target + same settings = same data (the budget and
     the settings that only change speed are left out, so raising the budget continues the same folder)."""
-    blob = json.dumps({"target": target_fingerprint, **{k: v for k, v in data_cfg.items() if k not in PERF_KEYS}},
-                      sort_keys=True)
+    settings = {k: v for k, v in data_cfg.items() if k not in PERF_KEYS}
+    if not settings.get("first_prompt"):  # 0 is the default: the same folder as a config that omits it
+        settings.pop("first_prompt", None)
+    blob = json.dumps({"target": target_fingerprint, **settings}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -158,6 +162,10 @@ def data_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
         raise HsdjaxError(f"data.temperature must be a number >= 0 (got {temperature!r})")
     out["temperature"] = float(temperature)
     out["seed"] = int(data_cfg.get("seed", 0))
+    first = data_cfg.get("first_prompt", 0)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise HsdjaxError(f"data.first_prompt must be a whole number >= 0 (got {first!r})")
+    out["first_prompt"] = first
     return out
 
 
@@ -493,8 +501,11 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
     if man["complete"] or man["tokens"] >= budget:  # complete = every prompt used; a larger budget continues
         return man
     stream = prompt_stream(data_cfg)
+    if opts["first_prompt"] >= len(stream):
+        raise HsdjaxError(f"data.first_prompt {opts['first_prompt']} is past the end of the prompt stream "
+                          f"({len(stream)} prompts)")
     done = writer.done_prompts()
-    todo = [r for r in stream if r["index"] not in done]
+    todo = [r for r in stream[opts["first_prompt"]:] if r["index"] not in done]
     gen = recording_generator(model, opts["top_k_logits"])
     tok = model.tokenizer
     bar = tqdm(total=budget, initial=min(man["tokens"], budget), unit="tok", desc="drafter data",
@@ -585,7 +596,8 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
     """All shards of a data folder as one flat stream; ``states`` as bfloat16 [N, F, E].
 
     ``skip_answers``: leave out every shard that holds any of the folder's first ``skip_answers`` answer
-    tokens (whole shards); the manifest copy then records ``skipped_tokens`` and ``skipped_answers``.
+    tokens (whole shards); the manifest copy then records ``skipped_tokens`` and ``skipped_answers``, and
+    ``prompt_span``: the first and last stream index of the prompts in the shards loaded.
 
     Each array is allocated once at its final size and filled shard by shard (2M tokens of SmolLM2
     states are ~9 GB: a concatenation would need twice that)."""
@@ -624,5 +636,7 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
             data[k][at: at + n] = v
         at += n
     data["states"] = data["states"].view(ml_dtypes.bfloat16)
-    data["manifest"] = {**man, "skipped_tokens": skipped, "skipped_answers": skipped_answers}
+    indices = [i for shard in shards for i in shard.get("prompts", [])]  # format 1 shards list none
+    data["manifest"] = {**man, "skipped_tokens": skipped, "skipped_answers": skipped_answers,
+                        "prompt_span": [min(indices), max(indices)] if indices else None}
     return data

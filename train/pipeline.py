@@ -84,8 +84,11 @@ def data_folder(model: Any, data_cfg: dict[str, Any]) -> Path:
 
 def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, token_budget: int | None = None,
         max_steps: int | None = None, epochs: float | None = None, progress: bool = True, log: Any = print,
-        mesh: Any = None, init: str | None = None, new_data_only: bool = False) -> dict[str, Any]:
+        mesh: Any = None, init: str | None = None, new_data_only: bool = False,
+        first_prompt: int | None = None) -> dict[str, Any]:
     """Run the stages of a config; returns a summary (data folder, checkpoint path, history).
+
+    ``first_prompt`` overrides ``data.first_prompt`` (see ``hsdjax.train.datagen``).
 
     ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, or None for one device): the target is
     sharded over it for data generation (``load_model(..., mesh=)``) and the drafter trains
@@ -101,6 +104,8 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
         check_data_parallel(int({**TRAIN_DEFAULTS, **cfg.get("train", {})}["batch"]), mesh)
     if token_budget is not None:
         cfg["data"]["token_budget"] = token_budget
+    if first_prompt is not None:
+        cfg["data"]["first_prompt"] = first_prompt
     if stage == "train":  # the drafter trains on recorded states: of the target it needs the head only
         model = load_target_parts(cfg["target"])
     else:
@@ -121,22 +126,37 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
 def seen_answers(init_info: dict[str, Any], data_cfg: dict[str, Any]) -> int | None:
     """How many of this data's first answer tokens a warm start's checkpoint trained on: its
     ``answer_tokens`` when its data had the same settings (the budget aside), i.e. the same seeded prompt
-    sequence; None when that cannot be told. Answer tokens (what the target generated), not all tokens:
-    a data format that counts prompts differently still reaches the same answers in the same order."""
+    sequence from the same ``first_prompt``; 0 when this data starts (``first_prompt``) past the last prompt
+    the checkpoint records having seen (``prompt_span``); None when that cannot be told. Answer tokens (what
+    the target generated), not all tokens: a data format that counts prompts differently still reaches the
+    same answers in the same order."""
     seen = init_info.get("answer_tokens")
     old_data = dict((init_info.get("config") or {}).get("data") or {})
-    strip = lambda d: {k: v for k, v in d.items() if k != "token_budget"}  # noqa: E731
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("token_budget", "first_prompt")}  # noqa: E731
     if not seen or not old_data or strip(old_data) != strip(dict(data_cfg)):
         return None
-    return int(seen)
+    first, old_first = int(data_cfg.get("first_prompt", 0)), int(old_data.get("first_prompt", 0))
+    if first == old_first:
+        return int(seen)
+    span = init_info.get("prompt_span")
+    return 0 if span and first > int(span[1]) else None
 
 
 def seen_data_note(init_info: dict[str, Any], data_cfg: dict[str, Any], answers: int) -> str | None:
     """A warning when a warm start trains on data its checkpoint has already seen (see ``seen_answers``;
     ``answers``: the answer tokens of the data this run trains on, from the start of the sequence)."""
     seen = seen_answers(init_info, data_cfg)
+    first = int(data_cfg.get("first_prompt", 0))
+    old_first = int(((init_info.get("config") or {}).get("data") or {}).get("first_prompt", 0))
+    if seen is None and first != old_first:
+        return (f"note: this data starts at prompt {first} of the sequence and the starting checkpoint's at prompt "
+                f"{old_first}; its checkpoint does not record where its data ended, so whether this data is new to "
+                "it cannot be told here (its answer_tokens and the data's manifest can)")
     if seen is None:
         return None
+    if seen == 0:
+        return (f"note: this data starts at prompt {first}, past the last prompt the starting checkpoint trained on "
+                f"({init_info['prompt_span'][1]}): all of it is new")
     if answers <= seen:
         return (f"note: the starting checkpoint was trained on {seen} answer tokens of this same prompt sequence and "
                 f"this data holds {answers}: all of it (held-out tail included) was seen, so this run adds epochs, "
@@ -173,8 +193,8 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
     if new_data_only:
         if init_path is None:
             raise HsdjaxError("--new-data-only trains past a warm start's own data: give --init (or train.init)")
-        skip = seen_answers(read_meta(init_path)["info"], cfg["data"]) or 0
-        if not skip:
+        skip = seen_answers(read_meta(init_path)["info"], cfg["data"])
+        if skip is None:
             raise HsdjaxError(f"--new-data-only: cannot tell which data {init_path.name} has seen (it was trained "
                               "on other data settings, or its checkpoint has no record of them)")
     data = load_shards(folder, skip_answers=skip)
@@ -226,7 +246,8 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
             "train_windows": result["train_windows"], "draft_vocab_coverage": round(coverage, 4),
             "history": result["history"], "train_seconds": round(time.perf_counter() - t0, 1),
             "data_seconds": round(man.get("seconds", 0.0), 1), "started_from": started_from,
-            "skipped_tokens": man["skipped_tokens"], "skipped_answers": man["skipped_answers"]}
+            "skipped_tokens": man["skipped_tokens"], "skipped_answers": man["skipped_answers"],
+            "prompt_span": man["prompt_span"]}
     path = Path(out) if out else run_dir / f"{model.name}-{cfg['method']}.safetensors"
     save_drafter(path, fc, result["params"], vocab_ids, layers[:-1], model, info)
     log(f"drafter written to {path} ({path.stat().st_size / 1e6:.1f} MB); held-out: {result['history'][-1]}")
