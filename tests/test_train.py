@@ -296,6 +296,9 @@ def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
             got = got[key.key]
         np.testing.assert_array_equal(np.asarray(got), v)
     assert warm["history"][-1]["chain_accept"] > cold["history"][-1]["chain_accept"] + 0.2
+    start = warm["history"][0]  # the starting point is evaluated on the same held-out windows before any step
+    assert start["step"] == 0 and start["chain_accept"] == pytest.approx(warm["history"][-1]["chain_accept"])
+    assert cold["history"][0]["step"] == 1
     assert warm["history"][-1]["loss"] < cold["history"][-1]["loss"]
 
     with pytest.raises(HsdjaxError, match="another drafter shape.*mlp 64 there, 32 here"):

@@ -279,7 +279,8 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
     """Train (or resume training) a drafter; returns the final params and the evaluation history.
 
     ``init_params``: start from these (a trained drafter of the same shape, ``checkpoint.warm_start``)
-    instead of fresh ones; the optimizer and its schedule start anew.
+    instead of fresh ones; the optimizer and its schedule start anew, and the history opens with the
+    starting point's held-out figures (step 0), so a run shows what it added on the same windows.
 
     ``mesh``: train data-parallel over its ``data`` axis (see the module docstring); ``opts["batch"]``
     must divide by its size. None: one device.
@@ -354,6 +355,9 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
             rows.append({"loss": float(loss), "chain_accept": float(acc_len), **{k: float(v) for k, v in m.items()}})
         return {k: round(float(np.mean([r[k] for r in rows])), 4) for k in rows[0]}
 
+    if init_params is not None and step == 0 and not history:  # the starting point, on the same held-out windows
+        history.append({"step": 0, "epoch": 0.0, **evaluate()})
+        log(f"step 0 (the starting checkpoint): held-out {history[0]}")
     rng = np.random.default_rng(opts["seed"])
     bar = tqdm(total=total, initial=step, unit="step", desc=f"train {cfg.method}", disable=not progress)
     last_save = time.monotonic()
