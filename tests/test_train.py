@@ -362,6 +362,7 @@ def test_warm_start_on_seen_data_is_called_out(tmp_path):
     assert seen_answers(spanned, {**data, "first_prompt": 6000}) is None  # overlaps what it saw
     assert seen_answers(info, {**data, "first_prompt": 12288}) is None  # no record of where its data ended
     assert "cannot be told" in seen_data_note(info, {**data, "first_prompt": 12288}, 900_000)
+    assert seen_data_note(info, {**data, "seed": 1, "first_prompt": 12288}, 900_000) is None  # another sequence
     cfg = {"target": "t", "method": "hsd", "data": data, "name": "x"}
     with pytest.raises(HsdjaxError, match="give --init"):
         train_from_config(cfg, None, tmp_path, out=None, max_steps=1, epochs=None, progress=False, log=print,

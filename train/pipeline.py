@@ -123,6 +123,16 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
     return summary
 
 
+def _same_sequence_starts(init_info: dict[str, Any], data_cfg: dict[str, Any]) -> tuple[int, int] | None:
+    """(this data's ``first_prompt``, the checkpoint's) when both come from the same seeded prompt sequence
+    (same data settings, budget and start aside); None when they do not or the checkpoint has no record."""
+    old_data = dict((init_info.get("config") or {}).get("data") or {})
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("token_budget", "first_prompt")}  # noqa: E731
+    if not old_data or strip(old_data) != strip(dict(data_cfg)):
+        return None
+    return int(data_cfg.get("first_prompt", 0)), int(old_data.get("first_prompt", 0))
+
+
 def seen_answers(init_info: dict[str, Any], data_cfg: dict[str, Any]) -> int | None:
     """How many of this data's first answer tokens a warm start's checkpoint trained on: its
     ``answer_tokens`` when its data had the same settings (the budget aside), i.e. the same seeded prompt
@@ -131,11 +141,10 @@ def seen_answers(init_info: dict[str, Any], data_cfg: dict[str, Any]) -> int | N
     the target generated), not all tokens: a data format that counts prompts differently still reaches the
     same answers in the same order."""
     seen = init_info.get("answer_tokens")
-    old_data = dict((init_info.get("config") or {}).get("data") or {})
-    strip = lambda d: {k: v for k, v in d.items() if k not in ("token_budget", "first_prompt")}  # noqa: E731
-    if not seen or not old_data or strip(old_data) != strip(dict(data_cfg)):
+    starts = _same_sequence_starts(init_info, data_cfg)
+    if not seen or starts is None:
         return None
-    first, old_first = int(data_cfg.get("first_prompt", 0)), int(old_data.get("first_prompt", 0))
+    first, old_first = starts
     if first == old_first:
         return int(seen)
     span = init_info.get("prompt_span")
@@ -146,8 +155,7 @@ def seen_data_note(init_info: dict[str, Any], data_cfg: dict[str, Any], answers:
     """A warning when a warm start trains on data its checkpoint has already seen (see ``seen_answers``;
     ``answers``: the answer tokens of the data this run trains on, from the start of the sequence)."""
     seen = seen_answers(init_info, data_cfg)
-    first = int(data_cfg.get("first_prompt", 0))
-    old_first = int(((init_info.get("config") or {}).get("data") or {}).get("first_prompt", 0))
+    first, old_first = _same_sequence_starts(init_info, data_cfg) or (0, 0)
     if seen is None and first != old_first:
         return (f"note: this data starts at prompt {first} of the sequence and the starting checkpoint's at prompt "
                 f"{old_first}; its checkpoint does not record where its data ended, so whether this data is new to "
