@@ -159,9 +159,20 @@ def _sampled_rows_only(sp: SamplingParams) -> SamplingParams:
     return sp.replace(top_k=jnp.where(sampled, sp.top_k, 0), top_p=jnp.where(sampled, sp.top_p, 1.0))
 
 
+def argmax_last(x: Float[Array, "... V"]) -> Int[Array, "..."]:
+    """``jnp.argmax(x, axis=-1)`` (the first index of the maximum; a NaN counts as the maximum) as two
+    plain reductions, a max and a min over indices where the max sits: XLA's CPU backend vectorizes
+    those but not argmax's (value, index) pair reduction, which made the LM head's argmax cost 0.25 ms
+    for one row of SmolLM2's 49,152 logits and 0.94 ms for 8 (0.08 / 0.26 ms this way)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == m) | jnp.isnan(x)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def target_probs(logits: Float[Array, "B V"], sp: SamplingParams) -> Float[Array, "B V"]:
     """The distribution plain decoding samples from (one-hot argmax for greedy rows)."""
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    greedy = jax.nn.one_hot(argmax_last(logits), logits.shape[-1], dtype=jnp.float32)
 
     def sampled(_):
         return jax.nn.softmax(adjust_logits(logits, _sampled_rows_only(sp)), axis=-1)
@@ -184,7 +195,7 @@ def select_tokens(
 
     Nothing past the argmax runs unless some row samples (and no sort unless some row filters).
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax_last(logits)
 
     def sample(_):
         adjusted = adjust_logits(logits, _sampled_rows_only(sp))

@@ -43,6 +43,7 @@ from hsdjax.bench.questions import read_questions
 from hsdjax.errors import HsdjaxError
 from hsdjax.methods import FEATURE_METHODS, REGISTRY, TREE_METHODS, draft_model_of, write_tuned
 from hsdjax.model import Transformer, init_cache
+from hsdjax.sampling import argmax_last
 
 NODE_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -56,7 +57,7 @@ def pass_cost(model: Any, nodes: Sequence[int] = NODE_COUNTS, context: int = 256
     @jax.jit
     def verify_pass(params, cache, tokens, positions, mask):
         out = net.apply({"params": params}, tokens, positions, mask, cache)
-        return jnp.argmax(net.apply({"params": params}, out["hidden"], method=Transformer.logits), axis=-1)
+        return argmax_last(net.apply({"params": params}, out["hidden"], method=Transformer.logits))
 
     costs = {}
     for n in nodes:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int, UInt
 
-from hsdjax.sampling import SamplingParams, select_tokens, target_probs
+from hsdjax.sampling import SamplingParams, argmax_last, select_tokens, target_probs
 from hsdjax.tree import DraftTree
 
 
@@ -109,7 +109,7 @@ def verify_chain_sampled(logits: Float[Array, "B N V"], tree: DraftTree, sp: Sam
     q_stop = jnp.take_along_axis(q, jnp.minimum(n_acc, n - 2)[:, None, None], axis=1)[:, 0]
     out_dist = jnp.where((n_acc < n_valid)[:, None], residual(p_stop, q_stop), p_stop)
     bonus = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_out, out_dist).astype(jnp.int32)
-    greedy = jnp.argmax(out_dist, axis=-1).astype(jnp.int32)
+    greedy = argmax_last(out_dist)
     bonus = jnp.where(sp.temperature > 0, bonus, greedy)
     node = n_acc  # chain slots are depths
     return Verdict(path=_path_to(tree, node, max_depth), n_path=n_acc + 1, bonus=bonus)

@@ -347,18 +347,26 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 // so the property holds there too.
 template <typename T>
 struct TreeProblem {
-  const float* q;
-  const T* k;
+  const float* q;   // [B, T, H, D], pre-scaled (H = K kv heads x G)
+  const T* k;       // cache [B, K, S, D]
   const T* v;
-  const float* nk;
+  const float* nk;  // the pass's keys and values [B, T, K, D]
   const float* nv;
   const int32_t* anc;
   const int32_t* depth;
   const int32_t* lens;
   int64_t kh, g, t, s, d;
   std::vector<Item> items;  // head = b * K + k, start = first position of the chunk
-  float* part;               // per item: R maxes, R sums, R x D accumulators
+  float* part;               // per item: R maxes, R sums, R x D accumulators (row r = g * T + t)
   int64_t part_size;
+
+  const float* QueryRow(int64_t b, int64_t k, int64_t r) const {  // row r = g * T + t of kv head k
+    const int64_t gi = r / t, ti = r % t;
+    return q + ((b * t + ti) * (kh * g) + k * g + gi) * d;
+  }
+  const float* NewRow(const float* base, int64_t b, int64_t k, int64_t u) const {
+    return base + ((b * t + u) * kh + k) * d;
+  }
 };
 
 template <int DV>
@@ -380,9 +388,11 @@ void TreeScoresRow(const float* q, const float* const* keys, int64_t n, float* o
   }
 }
 
+// acc += sum_j w[j] * vals[j], continuing the chain over j that WeightedValues began (same operations).
 template <int DV>
-void TreeValuesRow(const float* w, const float* const* vals, int64_t n, float* acc) {
-  v16 a[DV] = {};
+void TreeValuesRowOnto(const float* w, const float* const* vals, int64_t n, float* acc) {
+  v16 a[DV];
+  for (int e = 0; e < DV; ++e) a[e] = Load(acc + 16 * e);
   for (int64_t j = 0; j < n; ++j) {
     const float wj = w[j];
     for (int e = 0; e < DV; ++e) a[e] += wj * Load(vals[j] + 16 * e);
@@ -410,35 +420,81 @@ inline const float* CacheRows(const _Float16* c, int64_t start, int64_t n, int64
   return scratch;
 }
 
-template <typename T>
-void RunTreeItem(const TreeProblem<T>& pb, int64_t i) {
+// One chunk of one kv head, head sizes 64 / 128 (register-blocked). Every row (query head x new token)
+// sees the chunk's cached positions: their scores, and later their weighted values, are computed for
+// all rows together (each key and value read once per call); each token then adds its own path's
+// positions (keys and values from the pass) to its rows. Per row the operations are those of a
+// one-token step whatever the other rows are (scores are independent dot products; the softmax and the
+// chain over positions run in position order), so a tree pass equals one-token steps bit for bit.
+template <int DV, typename T>
+void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
+  constexpr int64_t kStride = kChunk + 16;  // a row's scores: the chunk, and room for a 16-wide store
   const Item& it = pb.items[i];
-  const int64_t b = it.head / pb.kh, g_n = pb.g, t_n = pb.t, d = pb.d, r_n = g_n * t_n;
+  const int64_t b = it.head / pb.kh, kv = it.head % pb.kh, t_n = pb.t, r_n = pb.g * t_n, d = pb.d;
   const int64_t len = pb.lens[b];
-  const float* q = pb.q + it.head * r_n * d;
   const T* ck = pb.k + it.head * pb.s * d;
   const T* cv = pb.v + it.head * pb.s * d;
-  const float* nk = pb.nk + it.head * t_n * d;
-  const float* nv = pb.nv + it.head * t_n * d;
   float* m_out = pb.part + i * pb.part_size;
   float* l_out = m_out + r_n;
   float* acc_out = l_out + r_n;
-  if ((d == 64 || d == 128) && it.start + kChunk <= len) {
-    // every row sees all of this chunk, from the cache: the shared-keys path (register-blocked over rows;
-    // each row's operations are the ones of the per-token path below, so the bits are the same)
-    std::unique_ptr<float[]> all(new float[r_n * kChunk]);
-    const T* k = ck + it.start * d;
-    const T* v = cv + it.start * d;
-    for (int64_t r = 0; r < r_n; ++r) {
-      if (d == 64) ScoresRow<4>(q + r * d, k, kChunk, all.get() + r * kChunk);
-      else ScoresRow<8>(q + r * d, k, kChunk, all.get() + r * kChunk);
-    }
-    ExpRows(all.get(), kChunk, kChunk, r_n, m_out, l_out);
-    if (d == 64) WeightedValuesRows<4>(all.get(), kChunk, v, kChunk, r_n, acc_out);
-    else WeightedValuesRows<8>(all.get(), kChunk, v, kChunk, r_n, acc_out);
-    return;
-  }
   const int64_t cached = std::clamp<int64_t>(len - it.start, 0, kChunk);  // chunk positions in the cache
+  std::unique_ptr<float[]> w(new float[r_n * kStride + 16]);
+  for (int64_t r = 0; r < r_n; ++r)
+    if (cached > 0) ScoresRow<DV>(pb.QueryRow(b, kv, r), ck + it.start * d, cached, w.get() + r * kStride);
+  const float* keys[kChunk];
+  const float* vals[kChunk];
+  std::vector<int64_t> seen(t_n);  // positions of the chunk each token sees
+  for (int64_t t = 0; t < t_n; ++t) {
+    const int64_t dep = pb.depth[b * t_n + t];
+    const int32_t* path = pb.anc + (b * t_n + t) * t_n;
+    const int64_t n = std::max<int64_t>(std::min<int64_t>(it.start + kChunk, len + dep + 1) - it.start, 0);
+    const int64_t own = n - cached;  // the token's path positions in this chunk
+    for (int64_t j = 0; j < own; ++j) {
+      const int64_t u = path[it.start + cached + j - len];
+      keys[j] = pb.NewRow(pb.nk, b, kv, u);
+    }
+    seen[t] = n;
+    for (int64_t g = 0; g < pb.g; ++g) {
+      const int64_t r = g * t_n + t;
+      float* row = w.get() + r * kStride;
+      if (own > 0) {
+        float tail[kChunk + 16];
+        TreeScoresRow<DV>(pb.QueryRow(b, kv, r), keys, own, tail);
+        std::copy(tail, tail + own, row + cached);
+      }
+      if (n > 0) {
+        ExpRows(row, (n + 15) / 16 * 16, n, 1, m_out + r, l_out + r);
+      } else {
+        m_out[r] = kNegInf;
+        l_out[r] = 0.0f;
+      }
+    }
+  }
+  WeightedValuesRows<DV>(w.get(), kStride, cv + it.start * d, cached, r_n, acc_out);  // zeros when none cached
+  for (int64_t t = 0; t < t_n; ++t) {
+    const int64_t own = seen[t] - cached;
+    if (own <= 0) continue;
+    const int32_t* path = pb.anc + (b * t_n + t) * t_n;
+    for (int64_t j = 0; j < own; ++j) vals[j] = pb.NewRow(pb.nv, b, kv, path[it.start + cached + j - len]);
+    for (int64_t g = 0; g < pb.g; ++g) {
+      const int64_t r = g * t_n + t;
+      TreeValuesRowOnto<DV>(w.get() + r * kStride + cached, vals, own, acc_out + r * d);
+    }
+  }
+}
+
+// Any head size: each token walks its keys by position, the cache's and then its path's.
+template <typename T>
+void RunTreeChunkGeneric(const TreeProblem<T>& pb, int64_t i) {
+  const Item& it = pb.items[i];
+  const int64_t b = it.head / pb.kh, kv = it.head % pb.kh, t_n = pb.t, d = pb.d;
+  const int64_t len = pb.lens[b];
+  const T* ck = pb.k + it.head * pb.s * d;
+  const T* cv = pb.v + it.head * pb.s * d;
+  float* m_out = pb.part + i * pb.part_size;
+  float* l_out = m_out + pb.g * t_n;
+  float* acc_out = l_out + pb.g * t_n;
+  const int64_t cached = std::clamp<int64_t>(len - it.start, 0, kChunk);
   std::unique_ptr<float[]> scratch(sizeof(T) == sizeof(float) ? nullptr : new float[2 * cached * d]);
   const float* ck_rows = CacheRows(ck, it.start, cached, d, scratch.get());
   const float* cv_rows = CacheRows(cv, it.start, cached, d, scratch.get() + cached * d);
@@ -448,63 +504,55 @@ void RunTreeItem(const TreeProblem<T>& pb, int64_t i) {
   for (int64_t t = 0; t < t_n; ++t) {
     const int64_t dep = pb.depth[b * t_n + t];
     const int32_t* path = pb.anc + (b * t_n + t) * t_n;
-    const int64_t end = std::min<int64_t>(it.start + kChunk, len + dep + 1);  // positions this token sees
-    const int64_t n = end - it.start;
-    for (int64_t g = 0; g < g_n; ++g) {
+    const int64_t n = std::min<int64_t>(it.start + kChunk, len + dep + 1) - it.start;  // positions it sees
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = it.start + j;
+      keys[j] = pos < len ? ck_rows + j * d : pb.NewRow(pb.nk, b, kv, path[pos - len]);
+      vals[j] = pos < len ? cv_rows + j * d : pb.NewRow(pb.nv, b, kv, path[pos - len]);
+    }
+    for (int64_t g = 0; g < pb.g; ++g) {
       const int64_t r = g * t_n + t;
       if (n <= 0) {
         m_out[r] = kNegInf;
         l_out[r] = 0.0f;
         std::fill(acc_out + r * d, acc_out + (r + 1) * d, 0.0f);
+        continue;
       }
-    }
-    if (n <= 0) continue;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = it.start + j;
-      if (pos < len) {
-        keys[j] = ck_rows + j * d;
-        vals[j] = cv_rows + j * d;
-      } else {
-        const int64_t u = path[pos - len];
-        keys[j] = nk + u * d;
-        vals[j] = nv + u * d;
-      }
-    }
-    const int64_t n_pad = (n + 15) / 16 * 16;
-    for (int64_t g = 0; g < g_n; ++g) {
-      const int64_t r = g * t_n + t;
-      const float* qr = q + r * d;
-      float* acc = acc_out + r * d;
-      if (d == 64 || d == 128) {
-        if (d == 64) TreeScoresRow<4>(qr, keys, n, scores);
-        else TreeScoresRow<8>(qr, keys, n, scores);
-        ExpRows(scores, n_pad, n, 1, m_out + r, l_out + r);
-        if (d == 64) TreeValuesRow<4>(scores, vals, n, acc);
-        else TreeValuesRow<8>(scores, vals, n, acc);
-      } else {
-        TreeRowGeneric(qr, keys, vals, n, n_pad, d, scores, m_out + r, l_out + r, acc);
-      }
+      TreeRowGeneric(pb.QueryRow(b, kv, r), keys, vals, n, (n + 15) / 16 * 16, d, scores, m_out + r, l_out + r,
+                     acc_out + r * d);
     }
   }
 }
+
+template <typename T>
+void RunTreeItem(const TreeProblem<T>& pb, int64_t i) {
+  if (pb.d == 64) RunTreeChunk<4>(pb, i);
+  else if (pb.d == 128) RunTreeChunk<8>(pb, i);
+  else RunTreeChunkGeneric(pb, i);
+}
+
+// Below this many (row x position) scores in a call the chunks run on the calling thread alone: waking
+// a pool thread costs more than it saves (a decoding step over a few hundred cached tokens).
+constexpr int64_t kInlineScores = 1 << 14;
 
 template <typename T, ffi::DataType DT>
 ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
                          ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
                          ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::S32> anc, ffi::Buffer<ffi::S32> depth,
-                         ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
+                         ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = cache_k.dimensions();
   auto nd = new_k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] ||
+  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || qd[0] != kd[0] || nd[2] != kd[1] || qd[3] != kd[3] ||
       nd[0] != qd[0] || nd[1] != qd[1] || nd[3] != qd[3] || qd[2] % nd[2] != 0 || lens.element_count() != qd[0] ||
-      anc.element_count() != nd[0] * nd[2] * nd[2] || depth.element_count() != nd[0] * nd[2]) {
+      anc.element_count() != nd[0] * nd[1] * nd[1] || depth.element_count() != nd[0] * nd[1]) {
     return ffi::Error::InvalidArgument(
-        "hsdjax tree attention: expects q [B, K, G*T, D], cache [B, K, S, D], lens [B], new [B, K, T, D], "
+        "hsdjax tree attention: expects q [B, T, H, D], cache [B, K, S, D], lens [B], new [B, T, K, D], "
         "anc [B, T, T], depth [B, T]");
   }
-  const int64_t b_n = qd[0], kh = qd[1], r_n = qd[2], d = qd[3], s = kd[2], t_n = nd[2];
+  const int64_t b_n = qd[0], t_n = qd[1], h_n = qd[2], d = qd[3], kh = kd[1], s = kd[2];
   if (t_n > kChunk) return ffi::Error::InvalidArgument("hsdjax tree attention: at most 256 new tokens");
+  if (d > 256) return ffi::Error::InvalidArgument("hsdjax tree attention: head size at most 256");
   auto call = std::make_shared<PoolCall<TreeProblem<T>, RunTreeItem<T>>>();
   TreeProblem<T>& pb = call->pb;
   pb.q = q.typed_data();
@@ -518,15 +566,18 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   for (int64_t b = 0; b < b_n; ++b) clamped[b] = std::clamp<int32_t>(lens.typed_data()[b], 0, s);
   pb.lens = clamped.data();
   pb.kh = kh;
-  pb.g = r_n / t_n;
+  pb.g = h_n / kh;
   pb.t = t_n;
   pb.s = s;
   pb.d = d;
+  const int64_t r_n = pb.g * t_n;
   std::vector<int64_t> first(b_n * kh + 1, 0);
+  int64_t scores = 0;
   for (int64_t b = 0; b < b_n; ++b) {
     int64_t deepest = 0;
     for (int64_t t = 0; t < t_n; ++t) deepest = std::max<int64_t>(deepest, pb.depth[b * t_n + t]);
     const int64_t end = clamped[b] + deepest + 1;
+    scores += kh * r_n * end;
     for (int64_t k = 0; k < kh; ++k) {
       for (int64_t start = 0; start < end; start += kChunk) pb.items.push_back(Item{b * kh + k, start, 0});
       first[b * kh + k + 1] = static_cast<int64_t>(pb.items.size());
@@ -535,14 +586,19 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   pb.part_size = r_n * (2 + d);
   std::vector<float> part(pb.items.size() * pb.part_size);
   pb.part = part.data();
-  RunOnPool(pool, call);
+  if (scores < kInlineScores) {
+    call->Run();
+  } else {
+    RunOnPool(pool, call);
+  }
 
   for (int64_t h = 0; h < b_n * kh; ++h) {  // merge each row's chunks in position order
+    const int64_t b = h / kh, kv = h % kh;
     for (int64_t r = 0; r < r_n; ++r) {
       float mx = kNegInf;
       for (int64_t i = first[h]; i < first[h + 1]; ++i) mx = std::max(mx, part[i * pb.part_size + r]);
       float sum = 0.0f;
-      float* a = acc->typed_data() + (h * r_n + r) * d;
+      float a[256];
       std::fill(a, a + d, 0.0f);
       for (int64_t i = first[h]; i < first[h + 1]; ++i) {
         const float* pi = part.data() + i * pb.part_size;
@@ -552,7 +608,8 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
         const float* ai = pi + 2 * r_n + r * d;
         for (int64_t e = 0; e < d; ++e) a[e] += alpha * ai[e];
       }
-      l->typed_data()[h * r_n + r] = sum;
+      float* o = out->typed_data() + ((b * t_n + r % t_n) * h_n + kv * pb.g + r / t_n) * d;
+      for (int64_t e = 0; e < d; ++e) o[e] = a[e] / sum;
     }
   }
   return ffi::Error::Success();
@@ -593,7 +650,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttentionF16, (CacheAttention<_Float16,
       .Arg<ffi::Buffer<ffi::F32>>()          \
       .Arg<ffi::Buffer<ffi::S32>>()          \
       .Arg<ffi::Buffer<ffi::S32>>()          \
-      .Ret<ffi::Buffer<ffi::F32>>()          \
       .Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxTreeAttention, (TreeAttention<float, ffi::F32>),

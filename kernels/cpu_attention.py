@@ -22,7 +22,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.kernels.cpu_matmul import (ATTENTION_F16_TARGET, ATTENTION_TARGET, TREE_ATTENTION_F16_TARGET,
                                        TREE_ATTENTION_TARGET)
-from hsdjax.kernels.tree_attention import (NEG_INF, finish_softmax, tree_attention_reference)
+from hsdjax.kernels.tree_attention import NEG_INF, tree_attention_reference
 
 MAX_NEW_TOKENS = 64
 
@@ -67,21 +67,18 @@ def position_ordered_attention(q: Float[Array, "B T H D"], cache_k, cache_v, cac
     """Attention of T new tokens over the cache and their paths in one kernel call that walks keys by
     position (``cpu_attention.cc``: a token's result is bitwise the same in a one-token step and a tree
     pass). A float16 cache is read as it is (widened in the kernel; the model rounds the new tokens' keys
-    and values to float16 first, so the property holds); any other dtype is converted to float32."""
+    and values to float16 first, so the property holds); any other dtype is converted to float32. The
+    kernel reads q, the new keys and values in the layout the model has them and writes the output in
+    it ([B, T, heads, D]): no transposes around the call."""
     b, t, h, d = q.shape
-    kh = new_k.shape[2]
-    g = h // kh
-    qg = (q * (d ** -0.5)).reshape(b, t, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, d)
     anc, depth = tree_paths(tree_mask)
-    shapes = (jax.ShapeDtypeStruct((b, kh, g * t), jnp.float32), jax.ShapeDtypeStruct((b, kh, g * t, d), jnp.float32))
     half = cache_k.dtype == jnp.float16 and cache_v.dtype == jnp.float16
     cache_dtype = jnp.float16 if half else jnp.float32
-    call = jax.ffi.ffi_call(TREE_ATTENTION_F16_TARGET if half else TREE_ATTENTION_TARGET, shapes,
-                            vmap_method="sequential")
-    l, acc = call(qg.astype(jnp.float32), cache_k.astype(cache_dtype), cache_v.astype(cache_dtype),
-                  cache_len.astype(jnp.int32), new_k.transpose(0, 2, 1, 3).astype(jnp.float32),
-                  new_v.transpose(0, 2, 1, 3).astype(jnp.float32), anc, depth)
-    return finish_softmax(q, l.reshape(b, kh, g, t, 1), acc.reshape(b, kh, g, t, d))
+    call = jax.ffi.ffi_call(TREE_ATTENTION_F16_TARGET if half else TREE_ATTENTION_TARGET,
+                            jax.ShapeDtypeStruct((b, t, h, d), jnp.float32), vmap_method="sequential")
+    out = call((q * (d ** -0.5)).astype(jnp.float32), cache_k.astype(cache_dtype), cache_v.astype(cache_dtype),
+               cache_len.astype(jnp.int32), new_k.astype(jnp.float32), new_v.astype(jnp.float32), anc, depth)
+    return out.astype(q.dtype)
 
 
 def tree_attention_cpu(q: Float[Array, "B T H D"], cache_k, cache_v, cache_len, new_k: Float[Array, "B U K D"],

@@ -185,3 +185,25 @@ def test_candidate_path_ranks_no_float_sort_on_cpu():
 
     text = jax.jit(candidate_path).lower(jnp.zeros((4, 49152))).compile().as_text()
     assert not [line for line in text.splitlines() if " sort(" in line and "f32[" in line.split("=")[1][:12]]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), v=st.sampled_from(VOCABS), style=st.sampled_from(["smooth", "ties", "neg_inf", "nan", "all_neg_inf"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_argmax_last_equals_jnp_argmax(data, v, style, seed):
+    """The two-reduction argmax picks what ``jnp.argmax`` picks: the first maximum, ties, -inf rows and
+    NaNs (the first NaN) included, for 1-3 leading dimensions."""
+    rng = np.random.RandomState(seed)
+    lead = data.draw(st.sampled_from([(3,), (2, 5), (1, 2, 3)]))
+    b = int(np.prod(lead))
+    if style == "nan":
+        x = _logits(rng, b, v, "smooth")
+        x[rng.rand(b, v) < 0.05] = np.nan
+    elif style == "all_neg_inf":
+        x = np.full((b, v), -np.inf, np.float32)
+    else:
+        x = _logits(rng, b, v, style)
+    x = jnp.asarray(x.reshape(*lead, v))
+    got = jax.jit(sampling.argmax_last)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
