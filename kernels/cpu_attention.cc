@@ -356,8 +356,13 @@ struct TreeProblem {
   const int32_t* depth;
   const int32_t* lens;
   int64_t kh, g, t, s, d;
-  std::vector<Item> items;  // head = b * K + k, start = first position of the chunk
-  float* part;               // per item: R maxes, R sums, R x D accumulators (row r = g * T + t)
+  struct Chunk {
+    int64_t head, start;  // head = b * K + k, start = first position of the chunk
+    int64_t slot;         // its partial softmax state in `part`
+    int64_t t0, t1;       // the new tokens [t0, t1) whose rows this item computes
+  };
+  std::vector<Chunk> items;
+  float* part;               // per chunk: R maxes, R sums, R x D accumulators (row r = g * T + t)
   int64_t part_size;
 
   const float* QueryRow(int64_t b, int64_t k, int64_t r) const {  // row r = g * T + t of kv head k
@@ -429,22 +434,24 @@ inline const float* CacheRows(const _Float16* c, int64_t start, int64_t n, int64
 template <int DV, typename T>
 void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
   constexpr int64_t kStride = kChunk + 16;  // a row's scores: the chunk, and room for a 16-wide store
-  const Item& it = pb.items[i];
+  const auto& it = pb.items[i];
   const int64_t b = it.head / pb.kh, kv = it.head % pb.kh, t_n = pb.t, r_n = pb.g * t_n, d = pb.d;
-  const int64_t len = pb.lens[b];
+  const int64_t len = pb.lens[b], t0 = it.t0, t1 = it.t1, rows = t1 - t0;
   const T* ck = pb.k + it.head * pb.s * d;
   const T* cv = pb.v + it.head * pb.s * d;
-  float* m_out = pb.part + i * pb.part_size;
+  float* m_out = pb.part + it.slot * pb.part_size;
   float* l_out = m_out + r_n;
   float* acc_out = l_out + r_n;
   const int64_t cached = std::clamp<int64_t>(len - it.start, 0, kChunk);  // chunk positions in the cache
-  std::unique_ptr<float[]> w(new float[r_n * kStride + 16]);
-  for (int64_t r = 0; r < r_n; ++r)
-    if (cached > 0) ScoresRow<DV>(pb.QueryRow(b, kv, r), ck + it.start * d, cached, w.get() + r * kStride);
+  // scores of this item's rows, query head g's tokens [t0, t1) at w + (g * rows + t - t0) * kStride
+  std::unique_ptr<float[]> w(new float[pb.g * rows * kStride + 16]);
+  auto row_of = [&](int64_t g, int64_t t) { return w.get() + (g * rows + t - t0) * kStride; };
+  for (int64_t g = 0; g < pb.g && cached > 0; ++g)
+    for (int64_t t = t0; t < t1; ++t) ScoresRow<DV>(pb.QueryRow(b, kv, g * t_n + t), ck + it.start * d, cached, row_of(g, t));
   const float* keys[kChunk];
   const float* vals[kChunk];
   std::vector<int64_t> seen(t_n);  // positions of the chunk each token sees
-  for (int64_t t = 0; t < t_n; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t dep = pb.depth[b * t_n + t];
     const int32_t* path = pb.anc + (b * t_n + t) * t_n;
     const int64_t n = std::max<int64_t>(std::min<int64_t>(it.start + kChunk, len + dep + 1) - it.start, 0);
@@ -456,7 +463,7 @@ void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
     seen[t] = n;
     for (int64_t g = 0; g < pb.g; ++g) {
       const int64_t r = g * t_n + t;
-      float* row = w.get() + r * kStride;
+      float* row = row_of(g, t);
       if (own > 0) {
         float tail[kChunk + 16];
         TreeScoresRow<DV>(pb.QueryRow(b, kv, r), keys, own, tail);
@@ -470,15 +477,16 @@ void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
       }
     }
   }
-  WeightedValuesRows<DV>(w.get(), kStride, cv + it.start * d, cached, r_n, acc_out);  // zeros when none cached
-  for (int64_t t = 0; t < t_n; ++t) {
+  for (int64_t g = 0; g < pb.g; ++g)  // zeros when none is cached
+    WeightedValuesRows<DV>(row_of(g, t0), kStride, cv + it.start * d, cached, rows, acc_out + (g * t_n + t0) * d);
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t own = seen[t] - cached;
     if (own <= 0) continue;
     const int32_t* path = pb.anc + (b * t_n + t) * t_n;
     for (int64_t j = 0; j < own; ++j) vals[j] = pb.NewRow(pb.nv, b, kv, path[it.start + cached + j - len]);
     for (int64_t g = 0; g < pb.g; ++g) {
       const int64_t r = g * t_n + t;
-      TreeValuesRowOnto<DV>(w.get() + r * kStride + cached, vals, own, acc_out + r * d);
+      TreeValuesRowOnto<DV>(row_of(g, t) + cached, vals, own, acc_out + r * d);
     }
   }
 }
@@ -486,12 +494,12 @@ void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
 // Any head size: each token walks its keys by position, the cache's and then its path's.
 template <typename T>
 void RunTreeChunkGeneric(const TreeProblem<T>& pb, int64_t i) {
-  const Item& it = pb.items[i];
+  const auto& it = pb.items[i];
   const int64_t b = it.head / pb.kh, kv = it.head % pb.kh, t_n = pb.t, d = pb.d;
   const int64_t len = pb.lens[b];
   const T* ck = pb.k + it.head * pb.s * d;
   const T* cv = pb.v + it.head * pb.s * d;
-  float* m_out = pb.part + i * pb.part_size;
+  float* m_out = pb.part + it.slot * pb.part_size;
   float* l_out = m_out + pb.g * t_n;
   float* acc_out = l_out + pb.g * t_n;
   const int64_t cached = std::clamp<int64_t>(len - it.start, 0, kChunk);
@@ -501,7 +509,7 @@ void RunTreeChunkGeneric(const TreeProblem<T>& pb, int64_t i) {
   const float* keys[kChunk];
   const float* vals[kChunk];
   float scores[kChunk];
-  for (int64_t t = 0; t < t_n; ++t) {
+  for (int64_t t = it.t0; t < it.t1; ++t) {
     const int64_t dep = pb.depth[b * t_n + t];
     const int32_t* path = pb.anc + (b * t_n + t) * t_n;
     const int64_t n = std::min<int64_t>(it.start + kChunk, len + dep + 1) - it.start;  // positions it sees
@@ -531,9 +539,6 @@ void RunTreeItem(const TreeProblem<T>& pb, int64_t i) {
   else RunTreeChunkGeneric(pb, i);
 }
 
-// Below this many (row x position) scores in a call the chunks run on the calling thread alone: waking
-// a pool thread costs more than it saves (a decoding step over a few hundred cached tokens).
-constexpr int64_t kInlineScores = 1 << 14;
 
 template <typename T, ffi::DataType DT>
 ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
@@ -571,26 +576,29 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   pb.s = s;
   pb.d = d;
   const int64_t r_n = pb.g * t_n;
-  std::vector<int64_t> first(b_n * kh + 1, 0);
-  int64_t scores = 0;
+  std::vector<int64_t> first(b_n * kh + 1, 0);  // the chunks (slots) of head h: [first[h], first[h + 1])
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (head, start) per slot
   for (int64_t b = 0; b < b_n; ++b) {
     int64_t deepest = 0;
     for (int64_t t = 0; t < t_n; ++t) deepest = std::max<int64_t>(deepest, pb.depth[b * t_n + t]);
     const int64_t end = clamped[b] + deepest + 1;
-    scores += kh * r_n * end;
     for (int64_t k = 0; k < kh; ++k) {
-      for (int64_t start = 0; start < end; start += kChunk) pb.items.push_back(Item{b * kh + k, start, 0});
-      first[b * kh + k + 1] = static_cast<int64_t>(pb.items.size());
+      for (int64_t start = 0; start < end; start += kChunk) chunks.emplace_back(b * kh + k, start);
+      first[b * kh + k + 1] = static_cast<int64_t>(chunks.size());
     }
   }
+  // Few chunks (a short context) would leave threads idle or unevenly loaded (3 kv heads on 2 cores):
+  // then each chunk's tokens are split into ranges, one item each (their rows are disjoint).
+  const int64_t workers = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t splits = std::clamp<int64_t>((2 * workers + static_cast<int64_t>(chunks.size()) - 1) /
+                                                 std::max<int64_t>(static_cast<int64_t>(chunks.size()), 1), 1, t_n);
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
+    for (int64_t p = 0; p < splits; ++p)
+      pb.items.push_back({chunks[c].first, chunks[c].second, c, t_n * p / splits, t_n * (p + 1) / splits});
   pb.part_size = r_n * (2 + d);
-  std::vector<float> part(pb.items.size() * pb.part_size);
+  std::vector<float> part(chunks.size() * pb.part_size);
   pb.part = part.data();
-  if (scores < kInlineScores) {
-    call->Run();
-  } else {
-    RunOnPool(pool, call);
-  }
+  RunOnPool(pool, call);
 
   for (int64_t h = 0; h < b_n * kh; ++h) {  // merge each row's chunks in position order
     const int64_t b = h / kh, kv = h % kh;
