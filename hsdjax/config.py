@@ -40,7 +40,8 @@ class ModelConfig:
     # or "pallas" (see hsdjax.kernels.tree_attention.attention_fn).
     attention: str = "auto"
     # q/k/v as one matmul (``wqkv``) and gate/up as one (``w_gate_up``): fewer, wider matmuls (see
-    # ``hsdjax.model.fuse_projections``); opt-in, unsharded models only (a split over heads needs them apart).
+    # ``hsdjax.model.fuse_projections``); unsharded models only (a split over heads needs them apart).
+    # ``load_model`` sets it when the CPU kernels run and the parts' packed panels are stored alike.
     fused_projections: bool = False
     # Projections and the LM head through hsdjax's CPU matmul kernel (``hsdjax.kernels.cpu_matmul``):
     # weights packed in panels, head packed as ``head_panels``. Set by ``load_model`` on CPU when built.

@@ -165,13 +165,16 @@ def load_target_parts(name_or_path: str | None = None) -> LoadedModel:
 
 
 def load_model(name_or_path: str | None = None, *, dtype: str | None = None, layer_loop: str | None = None,
-               progress: bool = False, mesh: Any = None, fused_projections: bool = False,
+               progress: bool = False, mesh: Any = None, fused_projections: bool | None = None,
                cpu_matmul: str | None = None, cache_dtype: str | None = None) -> LoadedModel:
     """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder.
 
     ``fused_projections``: q/k/v and gate/up as one matmul each (``hsdjax.model.fuse_projections``;
-    unsharded models only). Off by default: on XLA's CPU backend it measured 3.5% faster for a one-token
-    step but 3-5% slower for 2-16-token tree passes (``benchmarks/fused_projections.py``).
+    unsharded models only; the same outputs bit for bit). None (default): fused when the CPU kernels run
+    (``cpu_matmul``) and the parts' packed panels are stored alike in every layer (their panels are
+    joined after packing): fewer kernel calls, the same x read once, measured 3-6% faster for 2- and
+    8-node passes and equal or faster for a one-token step (``benchmarks/fused_projections.py``,
+    2026-12-04); separate otherwise (on XLA's own CPU dot the fused form was 3-5% slower for trees).
 
     ``layer_loop`` is ``scan`` (stacked weights under ``lax.scan``) or ``unrolled`` (per-layer weights);
     default: see ``default_layer_loop``. ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, a
@@ -210,6 +213,7 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     t0 = time.perf_counter()
     if fused_projections and mesh is not None:
         raise HsdjaxError("fused_projections needs an unsharded model (a split over heads keeps them apart)")
+    use_kernels = use_cpu_matmul(cpu_matmul, cfg, mesh)
     if layer_loop == "unrolled":
         np_params = unstack_layers(np_params)  # numpy views: no copy
     as_array = jnp.asarray if mesh is None else np.asarray  # sharded: straight from host to each device
@@ -218,9 +222,12 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     if fused_projections:
         params = fuse_projections(params)
         cfg = cfg.replace(fused_projections=True)
-    if use_cpu_matmul(cpu_matmul, cfg, mesh):
+    if use_kernels:
         compress = cpu_matmul_setting(cpu_matmul) != "float32"
         params = _pack_for_cpu_kernels(params, cfg, source, fingerprint, compress)
+        fused = fuse_projections(params, packed=True) if fused_projections is None else None
+        if fused is not None:  # the packed panels joined (the same formats only)
+            params, cfg = fused, cfg.replace(fused_projections=True)
         activations = ACTIVATIONS.get(cpu_matmul_setting(cpu_matmul), "float32")
         cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations=activations)
     params = sharding.shard_params(cfg, params, mesh)

@@ -286,23 +286,39 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
 FUSED_PROJECTIONS = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
 
 
-def fuse_projections(params: dict[str, Any]) -> dict[str, Any]:
+def fuse_projections(params: dict[str, Any], packed: bool = False) -> dict[str, Any] | None:
     """Separate q/k/v (and bias) and gate/up weights -> ``wqkv`` / ``bqkv`` / ``w_gate_up`` (concatenated
     on their output axis), for a config with ``fused_projections``. Stacked or unrolled layout.
 
-    Fewer, wider matmuls (each input read once; on GPUs fewer kernel launches). Measured on XLA's CPU
-    backend inside the decode loop (SmolLM2-135M, ``benchmarks/fused_projections.py``): a one-token
-    step 3.5% faster, 2-16-token tree passes 3-5% slower, so ``load_model`` leaves it off by default."""
-    def fuse(layer: dict[str, Any]) -> dict[str, Any]:
+    ``packed``: params already packed for the CPU kernels (``cpu_matmul.pack_params``), whose output
+    axis is the panel axis (first; second when stacked); a weight's panels only join another's stored
+    the same way (both 4-bit, both 8-bit or both float32), else None is returned (say a Q4_K q beside a
+    Q6_K v): the model keeps its separate matmuls.
+
+    Fewer, wider matmuls (each input read once; fewer kernel calls). On XLA's own CPU dot the fused form
+    was 3-5% slower for 2-16-token tree passes; through the CPU kernels 3-6% faster
+    (``benchmarks/fused_projections.py``), so ``load_model`` fuses when the kernels run."""
+    def fuse(layer: dict[str, Any], stacked: bool) -> dict[str, Any] | None:
         out = dict(layer)
         for fused, parts in FUSED_PROJECTIONS.items():
             if all(name in layer for name in parts):
-                out[fused] = jnp.concatenate([layer[name] for name in parts], axis=-1)
+                arrays = [layer[name] for name in parts]
+                axis = -1
+                if packed and not fused.startswith("b"):
+                    axis = 1 if stacked else 0
+                    if len({(a.dtype, a.shape[:axis] + a.shape[axis + 1:]) for a in arrays}) != 1:
+                        return None
+                out[fused] = jnp.concatenate(arrays, axis=axis)
                 for name in parts:
                     del out[name]
         return out
 
-    return {k: fuse(v) if (k == "layers" or k.startswith("blocks_")) else v for k, v in params.items()}
+    out = {}
+    for k, v in params.items():
+        out[k] = fuse(v, k == "layers") if (k == "layers" or k.startswith("blocks_")) else v
+        if out[k] is None:
+            return None
+    return out
 
 
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:

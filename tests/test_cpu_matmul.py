@@ -487,3 +487,31 @@ def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel, cache_dtype):
         prompt = "Write a short story about a lighthouse keeper."
         ar = Generator(model, "ar").generate(prompt, max_new_tokens=32)[0]
         assert Generator(model, "hsd").generate(prompt, max_new_tokens=32)[0].tokens == ar.tokens
+
+
+def test_projections_fuse_after_packing_when_stored_alike(kernel):
+    """With the kernels, ``load_model`` joins q/k/v and gate/up panels after packing (SmolLM2: every
+    part 4-bit) and the fused model computes the separate one's logits bit for bit; parts stored
+    differently (a 4-bit panel beside an 8-bit one, or float32) are left apart."""
+    from hsdjax.api import load_model
+    from hsdjax.model import Transformer, causal_mask, fuse_projections, init_cache
+
+    fused = load_model("smollm2-135m", cpu_matmul="on")
+    apart = load_model("smollm2-135m", cpu_matmul="on", fused_projections=False)
+    assert fused.cfg.fused_projections and not apart.cfg.fused_projections
+    layer = fused.params["blocks_0"]
+    assert "wqkv" in layer and "wq" not in layer and layer["wqkv"].dtype == np.uint8
+    assert layer["wqkv"].shape[0] == sum(apart.params["blocks_0"][k].shape[0] for k in ("wq", "wk", "wv"))
+    tokens = jnp.asarray([[1, 502, 77, 9031, 12, 5]], jnp.int32)
+    outs = []
+    for m in (fused, apart):
+        net = Transformer(m.cfg)
+        out = net.apply({"params": m.params}, tokens, jnp.arange(6)[None], causal_mask(jnp.array([6]), 6),
+                        init_cache(m.cfg, 1, 16))
+        outs.append(np.asarray(net.apply({"params": m.params}, out["hidden"], method=Transformer.logits)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    mixed = dict(apart.params)
+    blk = dict(mixed["blocks_3"])
+    blk["wv"] = jnp.zeros((blk["wv"].shape[0], blk["wv"].shape[1] * 2, 640), jnp.uint8)  # 8-bit blocks
+    mixed["blocks_3"] = blk
+    assert fuse_projections(mixed, packed=True) is None
