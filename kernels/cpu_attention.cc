@@ -464,11 +464,8 @@ void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
     for (int64_t g = 0; g < pb.g; ++g) {
       const int64_t r = g * t_n + t;
       float* row = row_of(g, t);
-      if (own > 0) {
-        float tail[kChunk + 16];
-        TreeScoresRow<DV>(pb.QueryRow(b, kv, r), keys, own, tail);
-        std::copy(tail, tail + own, row + cached);
-      }
+      // after the cached scores (its 16-wide stores end before cached + own + 16 <= kStride)
+      if (own > 0) TreeScoresRow<DV>(pb.QueryRow(b, kv, r), keys, own, row + cached);
       if (n > 0) {
         ExpRows(row, (n + 15) / 16 * 16, n, 1, m_out + r, l_out + r);
       } else {
