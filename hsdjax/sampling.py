@@ -165,7 +165,10 @@ def argmax_last(x: Float[Array, "... V"]) -> Int[Array, "..."]:
     those but not argmax's (value, index) pair reduction, which made the LM head's argmax cost 0.25 ms
     for one row of SmolLM2's 49,152 logits and 0.94 ms for 8 (0.08 / 0.26 ms this way)."""
     m = jnp.max(x, axis=-1, keepdims=True)
-    hit = (x == m) | jnp.isnan(x)
+    nan = jnp.isnan(x)
+    # XLA's vectorized CPU max may drop a NaN (the packed max returns its second operand), so whether a
+    # row holds one is asked separately; such a row's first NaN wins, as in jnp.argmax
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == m)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 

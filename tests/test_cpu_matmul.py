@@ -333,10 +333,12 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
     from hsdjax.api import Generator, load_model
 
     assert smollm.cfg.cpu_matmul
-    # SmolLM2's GGUF is Q4_1 (projections) and Q8_0 (tied head): every panel is stored compressed
+    # SmolLM2's GGUF is Q4_1 (projections) and Q8_0 (tied head): every panel is stored compressed, and
+    # since every layer stores its parts alike, q/k/v and gate/up are joined after packing
     layer = next(v for k, v in smollm.params.items() if k == "layers" or k.startswith("blocks_"))
+    assert smollm.cfg.fused_projections
     assert {k: str(v.dtype) for k, v in layer.items() if k in cpu_matmul.PACKED_WEIGHTS} == {
-        k: "uint8" for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+        k: "uint8" for k in ("wqkv", "wo", "w_gate_up", "w_down")}
     assert cpu_matmul.compressed_bits(smollm.params["head_panels"]) == 8
     prompt = "List three uses of a paperclip, then explain the second one."
     ar = Generator(smollm, "ar").generate(prompt, max_new_tokens=40)[0]
