@@ -117,11 +117,25 @@ def rms_norm(x: Float[Array, "... E"], scale: Float[Array, " E"], eps: float) ->
     return (x * jax.lax.rsqrt(var + eps)).astype(x.dtype) * scale
 
 
-def rope_tables(positions: Int[Array, "B T"], head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos/sin tables [B, T, D/2] for the half-split rotary embedding."""
+def rope_tables(positions: Int[Array, "B T"], head_dim: int, theta: float,
+                materialize: bool = False) -> tuple[Array, Array]:
+    """cos/sin tables [B, T, D/2] for the half-split rotary embedding.
+
+    ``materialize`` computes them once into buffers: XLA otherwise fuses the cos/sin into every
+    consumer and evaluates them per element there (per head, for q and k, in each of an unrolled
+    stack's layers: ~60 fusions for SmolLM2). A conditional's results cannot be fused into their users,
+    so the tables come out of a ``lax.cond`` whose two branches are the same (its predicate reads the
+    positions, so it is not folded). Only where a conditional is cheap (CPU; on GPU its predicate is
+    read by the host)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+
+    def tables(pos):
+        angles = pos.astype(jnp.float32)[..., None] * inv_freq
+        return jnp.cos(angles), jnp.sin(angles)
+
+    if materialize:
+        return jax.lax.cond(positions.reshape(-1)[0] >= 0, tables, tables, positions)
+    return tables(positions)
 
 
 def apply_rope(x: Float[Array, "B T N D"], cos: Array, sin: Array) -> Float[Array, "B T N D"]:
@@ -232,7 +246,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         x = jnp.take(self.embed, tokens, axis=0).astype(dt)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, materialize=bool(cfg.cpu_matmul))
         if cache is None:
             cache_k = cache_v = cache_len = None
         else:
