@@ -86,6 +86,7 @@ def test_models_list_shows_registry():
         assert name in proc.stdout
 
 
+@pytest.mark.slow  # a deep hsd tree on the real model (38 s); the tiny-model drafter tests cover the chain and reuse
 def test_generate_hsd_json_reports_drafter_work():
     """The shipped hsd drafter of the default model: lossless against ar, and its counters."""
     prompt = "List three primary colors."

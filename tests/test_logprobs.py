@@ -96,6 +96,7 @@ def test_fork_rows_equals_prefilling_copies(tiny_llama):
         np.testing.assert_allclose(recorded(state, i)[1], recorded(want_state, i)[1], atol=1e-5)
 
 
+@pytest.mark.slow  # real-model logprobs (70 s); test_serve checks them through the server
 def test_smollm2_logprobs_same_with_and_without_speculation(smollm):
     """The real model, greedy: ar, pld and hsd (the shipped drafter) emit the same tokens with the same
     log-probabilities (within 1e-4), equal to the teacher-forced ones; pld really speculated."""

@@ -179,6 +179,7 @@ def srv(sched):
     running.stop()
 
 
+@pytest.mark.slow  # its own server (85 s); the scheduler tests below reuse prefixes by default
 def test_second_turn_reuses_the_first_and_answers_the_same(srv, sched, reference, smollm):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)

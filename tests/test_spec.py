@@ -183,6 +183,7 @@ def test_engine_sampling_test_catches_a_wrong_residual(monkeypatch):
         jax.clear_caches()
 
 
+@pytest.mark.slow  # real-model pld (33 s); test_cpu_matmul runs hsd == ar, test_bench pld
 def test_smollm2_pld_greedy_equals_ar_on_real_prompts(smollm):
     from hsdjax.api import Generator
 

@@ -28,6 +28,7 @@ def tuned_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow  # the real hsd tune (80 s); test_tune_pld_* keeps tune in the default run
 def test_tune_hsd_measures_each_budget_and_lookup_and_writes_the_default(qfile, tuned_dir, smollm):
     r = tune_mod.tune("smollm2-135m", "hsd", [str(qfile)], limit=1, max_new_tokens=24, widths=(2,), depths=(2,),
                       budgets=(2, 4, 9), lookups=(0, 3), node_counts=(1, 3, 5), write=True, progress=False)
