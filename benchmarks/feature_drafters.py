@@ -51,24 +51,27 @@ def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None =
 
 def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     """``LABEL=METHOD[,KEY=VALUE...]:CHECKPOINT`` -> (label, method, options); CHECKPOINT ``-`` is the
-    shipped drafter (or none: ``sps``); KEY is depth, width, budget, lookup (integers), min_prob, or sps's
+    shipped drafter (or none: ``sps``, ``pld``); KEY is depth, width, budget, lookup (integers), lookup_lengths
+    (A/B/C: chain length by match length), min_prob, or sps's
     draft_length (fixed / adaptive)."""
     label, eq, rest = text.partition("=")
     head, colon, path = rest.partition(":")
     method, *pairs = head.split(",")
-    usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,lookup=N,min_prob=P,"
-             "draft_length=L,ahead=A,policy=P]:CHECKPOINT|-")
-    if not (eq and colon and label and method in ("hsd", "eagle", "sps") and path):
+    usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,lookup=N,lookup_lengths=A/B/C,"
+             "min_prob=P,draft_length=L,ahead=A,policy=P]:CHECKPOINT|-")
+    if not (eq and colon and label and method in ("hsd", "eagle", "sps", "pld") and path):
         raise SystemExit(usage)
     from hsdjax.methods import TREE_SIZES
 
     opts: dict[str, Any] = {}
     for pair in pairs:  # ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
-        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "min_prob", "draft_length", "ahead", "policy"):
+        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "lookup_lengths", "min_prob", "draft_length", "ahead",
+                       "policy"):
             raise SystemExit(usage)
         try:
-            opts[key] = float(value) if key == "min_prob" else value if key in ("draft_length", "policy") else int(value)
+            opts[key] = (float(value) if key == "min_prob" else value if key in ("draft_length", "policy")
+                         else value.replace("/", ",") if key == "lookup_lengths" else int(value))
         except ValueError:
             raise SystemExit(usage) from None
     if path != "-":

@@ -49,6 +49,9 @@ OPTIONS = (  # in the order of the command line's --help
                               "when the context has a match (0: off; default 6)"),
     Option("lookup_ngram", "size", "hsd/eagle: shortest match (1-3 newest tokens, default 2) that grafts a lookup "
                                    "continuation"),
+    Option("lookup_lengths", "text", "pld/hsd/eagle: lookup chain length by match length, e.g. 0,1,1,3: a match of "
+                                     "the 1, 2, 3, 4 newest tokens proposes 0, 1, 1, 3 tokens (replaces --lookup and "
+                                     "--lookup-ngram, and pld's --depth)"),
     Option("draft_model", "text", "sps: the draft LM (default: the registry's draft model for --model)"),
     Option("draft_length", "text", "sps: adaptive (default: per row, from its recent acceptance, at most --depth; "
                                    "as transformers' assisted generation) or fixed (--depth drafts every round)"),
@@ -58,6 +61,7 @@ OPTIONS = (  # in the order of the command line's --help
 OPTION_NAMES = tuple(o.name for o in OPTIONS)
 TREE_SIZES = ("depth", "width", "budget")  # the tree's shape options
 TUNED_KEYS = (*TREE_SIZES, "lookup")  # what `hsdjax tune` chooses (lookup: hsd / eagle's grafted continuation)
+MAX_LOOKUP_NGRAM = 8  # the longest match a lookup_lengths table may name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +75,17 @@ class Method:
 
 REGISTRY = {m.name: m for m in (
     Method("ar"),
-    Method("pld", ("depth", "width"), {"width": 2, "depth": 6}),
+    Method("pld", ("depth", "width", "lookup_lengths"), {"width": 2, "depth": 6}),
     # measured on Qwen2.5-Coder-1.5B / 2-core CPU (docs/benchmarks.md): adaptive up to 8 drafts 1.20x ar,
     # fixed 4 1.11x, fixed 8 1.14x
     Method("sps", ("depth", "draft_model", "draft_length"), {"depth": 8}),
     # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy; a grafted
     # lookup continuation of 6 tokens on 2-token matches took hsd from 1.10x to 1.62x ar on the dev sets
     # (1-token matches 1.53x, 3-token 1.62x, 4 tokens on 2-token matches 1.54x; docs/drafters.md)
-    Method("hsd", ("depth", "width", "budget", "policy", "ahead", "drafter", "min_prob", "lookup", "lookup_ngram"),
+    Method("hsd", ("depth", "width", "budget", "policy", "ahead", "drafter", "min_prob", "lookup", "lookup_ngram",
+                   "lookup_lengths"),
            {"depth": 4, "width": 3, "budget": 5, "policy": "min2", "ahead": 0, "lookup": 6, "lookup_ngram": 2}),
-    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "lookup", "lookup_ngram"),
+    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "lookup", "lookup_ngram", "lookup_lengths"),
            {"depth": 4, "width": 3, "budget": 5, "lookup": 6, "lookup_ngram": 2}),
 )}
 METHODS = tuple(REGISTRY)
@@ -106,9 +111,26 @@ def shipped_tuned(model_name: str, method: str) -> dict[str, Any]:
     none were measured here."""
     try:
         entry = json.loads(SHIPPED_TUNED.read_text())[model_name][method][jax.default_backend()]
-        return {k: int(entry[k]) for k in TUNED_KEYS if k in entry}
-    except (OSError, ValueError, KeyError, TypeError):
+        tuned: dict[str, Any] = {k: int(entry[k]) for k in TUNED_KEYS if k in entry}
+        if "lookup_lengths" in entry:
+            tuned["lookup_lengths"] = parse_lookup_lengths(entry["lookup_lengths"])
+        return tuned
+    except (OSError, ValueError, KeyError, TypeError, HsdjaxError):
         return {}
+
+
+def parse_lookup_lengths(value: Any) -> tuple[int, ...]:
+    """``--lookup-lengths`` ("0,1,1,3" or a sequence of counts) as a tuple, checked."""
+    text = value if isinstance(value, str) else ",".join(str(v) for v in value)
+    try:
+        lengths = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        lengths = ()
+    if (not lengths or len(lengths) > MAX_LOOKUP_NGRAM or min(lengths) < 0 or max(lengths) < 1
+            or max(lengths) > 64):
+        raise HsdjaxError(f"--lookup-lengths expects 1-{MAX_LOOKUP_NGRAM} comma-separated chain lengths (0-64, at "
+                          f"least one above 0) for matches of 1, 2, ... tokens, e.g. 0,1,1,3 (got {text!r})")
+    return lengths
 
 
 def tuned_path(fingerprint: str, method: str) -> Path:
@@ -172,7 +194,11 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
     if method == "ar":
         return ARDrafter(), ()
     if method == "pld":
-        return PromptLookupDrafter(width=setting["width"], depth=setting["depth"]), ()
+        lengths = parse_lookup_lengths(given["lookup_lengths"]) if "lookup_lengths" in given else ()
+        if lengths and "depth" in given:
+            raise HsdjaxError("pld takes --depth or --lookup-lengths, not both")
+        return PromptLookupDrafter(width=setting["width"], depth=setting["depth"],
+                                   lengths=lengths or tuple(setting.get("lookup_lengths", ()))), ()
     return _sps(model, setting["depth"], given.get("draft_model"), given.get("draft_length", "adaptive"))
 
 
@@ -186,7 +212,10 @@ def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str,
     if not sizes and setting:
         if "drafter" not in given:
             setting.update(shipped_tuned(model.name, method))
-        setting.update(load_tuned(model.fingerprint, method))
+        own = load_tuned(model.fingerprint, method)
+        if "lookup" in own:  # this machine's measured graft replaces the shipped table
+            setting.pop("lookup_lengths", None)
+        setting.update(own)
     for key, value in sizes.items():
         if value < 1 or value > 64:
             raise HsdjaxError(f"--{key} must be between 1 and 64 (got {value})")
@@ -228,6 +257,12 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
         if not 1 <= given["lookup_ngram"] <= LOOKUP_MAX_NGRAM:
             raise HsdjaxError(f"--lookup-ngram must be between 1 and {LOOKUP_MAX_NGRAM} (got {given['lookup_ngram']})")
         setting["lookup_ngram"] = given["lookup_ngram"]
+    if "lookup_lengths" in given:
+        if "lookup" in given or "lookup_ngram" in given:
+            raise HsdjaxError("--lookup-lengths replaces --lookup and --lookup-ngram; give one or the other")
+        setting["lookup_lengths"] = parse_lookup_lengths(given["lookup_lengths"])
+    elif "lookup" in given or "lookup_ngram" in given:
+        setting.pop("lookup_lengths", None)  # an explicit fixed graft replaces a tuned table
     if "policy" in given:
         if method != "hsd":
             raise HsdjaxError("--policy applies to hsd only")

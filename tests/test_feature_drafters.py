@@ -100,6 +100,13 @@ def test_lookup_graft_is_lossless_and_used(target, method):
         else:
             assert int(s.lookup_drafts.sum()) == 0
     assert accepted[5] > accepted[0], accepted
+    # a graft as long as its match earns: passes of 3 + 0 / 1 / 5 nodes, still `ar`'s output
+    drafter, dparams = feature_drafter(cfg, params, method, depth=2, width=2, budget=2, lookup_lengths=(0, 1, 5))
+    assert drafter.tiers == (3, 4, 8) and drafter.lookup == 5
+    got, state = run_engine(cfg, params, prompts, 48, drafter=drafter, dparams=dparams, chunks=[5, 48],
+                            return_state=True)
+    assert got == want
+    assert int(state.stats.lookup_drafts.sum()) > 0
 
 
 def test_prompt_bucket_as_long_as_the_cache(target):
@@ -342,7 +349,8 @@ def test_benchmark_variants_parse_and_refuse_bad_ones():
     assert bench.parse_variant("a=hsd,depth=2,width=3,budget=2:-") == ("a", "hsd", {"depth": 2, "width": 3, "budget": 2})
     assert bench.parse_variant("s=sps,depth=8,draft_length=adaptive:-") == (
         "s", "sps", {"depth": 8, "draft_length": "adaptive"})
-    for bad in ("nolabel", "x=pld:-", "x=hsd,depth=two:-", "x=hsd,colour=3:-", "x=hsd:/no/such/file"):
+    assert bench.parse_variant("p=pld,lookup_lengths=0/1/1/3:-") == ("p", "pld", {"lookup_lengths": "0,1,1,3"})
+    for bad in ("nolabel", "x=ar:-", "x=hsd,depth=two:-", "x=hsd,colour=3:-", "x=hsd:/no/such/file"):
         with pytest.raises(SystemExit):
             bench.parse_variant(bad)
 

@@ -41,8 +41,35 @@ def test_pld_greedy_equals_ar(llama, seed, n, max_new):
     cfg, params = llama
     prompt = repetitive_prompt(np.random.RandomState(seed), cfg.vocab_size, n)
     ar = run_engine(cfg, params, [prompt], max_new)
-    for drafter in (PromptLookupDrafter(width=3, depth=4), PromptLookupDrafter(width=1, depth=1)):
+    for drafter in (PromptLookupDrafter(width=3, depth=4), PromptLookupDrafter(width=1, depth=1),
+                    PromptLookupDrafter(width=2, lengths=(0, 1, 2, 4))):
         assert run_engine(cfg, params, [prompt], max_new, drafter=drafter) == ar
+
+
+def test_lookup_chains_are_as_long_as_their_match_earns():
+    """``lookup_by_match``: the chain of a match of n tokens is cut to ``lengths[n - 1]`` (and to what the
+    context holds); with one length from ``min_ngram`` on it is ``lookup_continuations`` itself."""
+    from hsdjax.drafters.pld import fixed_lengths, lookup_by_match, lookup_continuations
+
+    #                  0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    seq = jnp.array([[5, 6, 7, 8, 9, 1, 2, 3, 4, 9, 6, 7, 8, 0],    # ends 6 7 8: a 3-token match at 1..3
+                     [5, 6, 7, 8, 9, 1, 2, 3, 4, 9, 2, 7, 8, 0],    # ends 2 7 8: 2 tokens (7 8 at 2..3)
+                     [5, 6, 7, 8, 9, 1, 2, 3, 4, 9, 2, 3, 0, 0],    # ends 2 3 (length 12): 2 tokens at 6..7
+                     [5, 6, 7, 8, 9, 1, 2, 3, 4, 9, 2, 4, 0, 0]])   # ends 2 4: 1 token (4 at 8)
+    length = jnp.array([13, 13, 12, 12])
+    chains, avail, ngram = lookup_continuations(seq, length, 1, 6, 4, 1, with_ngram=True)
+    assert ngram[:, 0].tolist() == [3, 2, 2, 1]
+    assert chains[0, 0, :3].tolist() == [9, 1, 2] and chains[2, 0, :2].tolist() == [4, 9]
+    _, cut = lookup_by_match(seq, length, 1, (0, 2, 5, 6))
+    assert cut[:, 0].tolist() == [5, 2, 2, 0]  # 1-token matches earn nothing, 3-token ones 5
+    _, cut = lookup_by_match(seq, length, 1, (0, 2, 12, 12))
+    assert cut[0, 0] == 9 and cut[2, 0] == 2  # never past the context: row 0 has 9 tokens after its match
+    want = lookup_continuations(seq, length, 2, 4, 3, 2)
+    got = lookup_by_match(seq, length, 2, fixed_lengths(4, 2, 3))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert PromptLookupDrafter(width=1, lengths=(0, 1, 1, 3)).tiers == (1, 2, 4)
+    with pytest.raises(ValueError):
+        PromptLookupDrafter(lengths=(0, 0))
 
 
 def test_pld_accepts_on_a_copying_model(llama):

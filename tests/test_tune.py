@@ -92,6 +92,26 @@ def test_shipped_setting_applies_to_the_shipped_drafter_only(tuned_dir, smollm, 
     assert size(make_drafter("hsd", smollm)[0]) == (3, 2, 4)  # this machine's own tuning wins
 
 
+def test_shipped_lookup_lengths_apply_unless_a_graft_is_given(tuned_dir, smollm, tmp_path, monkeypatch):
+    import jax
+
+    backend = jax.default_backend()
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"smollm2-135m": {
+        "hsd": {backend: {"depth": 1, "width": 3, "budget": 1, "lookup_lengths": "0,1,4"}},
+        "pld": {backend: {"width": 1, "depth": 3, "lookup_lengths": "0,1,1,3"}}}}))
+    monkeypatch.setattr(methods, "SHIPPED_TUNED", shipped)
+    d = make_drafter("hsd", smollm)[0]
+    assert d.lookup_lengths == (0, 1, 4) and d.lookup == 4 and d.tiers == (2, 3, 6)
+    assert make_drafter("hsd", smollm, lookup=5)[0].lookup_lengths == (0, 5, 5)  # an explicit graft wins
+    assert make_drafter("hsd", smollm, lookup_lengths="0,0,2")[0].lookup_lengths == (0, 0, 2)
+    p = make_drafter("pld", smollm)[0]
+    assert (p.width, p.depth, p.lengths, p.tiers) == (1, 3, (0, 1, 1, 3), (1, 2, 4))
+    assert make_drafter("pld", smollm, depth=5)[0].lengths == (0, 5, 5)  # explicit sizes replace the table
+    methods.write_tuned(smollm.fingerprint, "hsd", {"depth": 1, "width": 3, "budget": 1, "lookup": 3})
+    assert make_drafter("hsd", smollm)[0].lookup_lengths == (0, 3, 3)  # this machine's own graft wins
+
+
 def test_the_shipped_settings_name_shipped_drafters():
     data = json.loads(methods.SHIPPED_TUNED.read_text())
     for model, per_method in data.items():
@@ -102,5 +122,9 @@ def test_the_shipped_settings_name_shipped_drafters():
             if method in methods.FEATURE_METHODS:
                 assert methods.has_shipped_drafter(model, method), (model, method)
             for backend, sizes in per_backend.items():
+                lengths = sizes.pop("lookup_lengths", None)
                 assert set(sizes) <= set(methods.TUNED_KEYS), sizes
                 assert all(1 <= v <= 64 for k, v in sizes.items() if k != "lookup") and 0 <= sizes.get("lookup", 0) <= 64
+                if lengths is not None:  # a valid table, read back as the drafter's
+                    assert methods.parse_lookup_lengths(lengths)
+                    assert methods.shipped_tuned(model, method)["lookup_lengths"] == methods.parse_lookup_lengths(lengths)

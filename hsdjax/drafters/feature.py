@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.drafters.base import Drafter, layer_macs
-from hsdjax.drafters.pld import PromptLookupDrafter, lookup_continuations
+from hsdjax.drafters.pld import PromptLookupDrafter, check_lengths, fixed_lengths, lookup_by_match
 from hsdjax.kernels.cpu_matmul import PANEL, compress_columns, is_compressed, pack, pack_exact, panel_matmul
 from hsdjax.kernels.tree_attention import REFERENCE_BLOCK_S, attention_fn
 from hsdjax.model import apply_rope, rms_norm, rope_tables
@@ -369,14 +369,23 @@ class FeatureDrafter(Drafter):
     attention: str = "auto"  # drafter attention backend (hsdjax.kernels.tree_attention.attention_fn)
     lookup: int = 0  # tokens of a prompt-lookup continuation grafted onto each tree (0: none)
     lookup_ngram: int = 2  # shortest n-gram match that proposes a continuation (1 grafts weak guesses too often)
+    lookup_lengths: tuple[int, ...] = ()  # graft length by match length (1, 2, ... tokens); replaces the two above
 
     def __post_init__(self):
+        lengths = self.lookup_lengths
+        if lengths:
+            check_lengths(lengths)
+            object.__setattr__(self, "lookup", max(lengths))
+        elif self.lookup:
+            lengths = fixed_lengths(self.lookup, self.lookup_ngram, max(LOOKUP_MAX_NGRAM, self.lookup_ngram))
+        object.__setattr__(self, "lookup_lengths", lengths)
         object.__setattr__(self, "num_nodes", 1 + self.depth * self.width + self.lookup)
         object.__setattr__(self, "max_depth", max(self.depth, self.lookup))
         if not self.tiers:  # smaller verification passes when min_prob leaves few nodes valid
             sizes = {1, min(3, 1 + self.budget), 1 + self.budget // 2} if self.min_prob > 0 else set()
             sizes |= {1 + self.budget}  # rounds without a lookup match
-            object.__setattr__(self, "tiers", tuple(sorted(sizes | {1 + self.budget + self.lookup})))
+            sizes |= {1 + self.budget + n for n in lengths}  # a graft as long as its match earns
+            object.__setattr__(self, "tiers", tuple(sorted(sizes)))
 
     @property
     def prompt_layers(self) -> tuple[int, ...]:
@@ -390,8 +399,7 @@ class FeatureDrafter(Drafter):
         """The tree with prompt lookup's best continuation grafted on (unchanged when ``lookup`` is 0)."""
         if not self.lookup:
             return tree
-        chains, lengths = lookup_continuations(gen.seq, gen.seq_len, 1, self.lookup, LOOKUP_MAX_NGRAM,
-                                               self.lookup_ngram)
+        chains, lengths = lookup_by_match(gen.seq, gen.seq_len, 1, self.lookup_lengths)
         return graft_chain(tree, chains[:, 0], lengths[:, 0])
 
     def _net(self) -> FeatureDrafterNet:

@@ -4,8 +4,10 @@ The newest tokens of a row (its last ``min_ngram``..``max_ngram`` tokens, longes
 default, since a one-token match was right too rarely to pay for its pass) are looked up in the
 row's earlier context; the tokens that followed each match are proposed as continuations. The
 ``width`` best matches (longer n-gram first, then most recent) become chains that are merged into one
-trie, so a round verifies several guesses at once. Everything is vectorised over the context; there
-is no drafter state and no drafter forward pass.
+trie, so a round verifies several guesses at once. ``lengths`` makes a chain's length depend on how
+long its match is (a longer match is right more often, so it earns a longer chain and a larger pass);
+the pass then runs at the smallest size that holds the chain. Everything is vectorised over the
+context; there is no drafter state and no drafter forward pass.
 """
 
 from __future__ import annotations
@@ -27,25 +29,52 @@ class PromptLookupDrafter(Drafter):
     depth: int = 6  # tokens per continuation
     max_ngram: int = 3
     min_ngram: int = 2
+    lengths: tuple[int, ...] = ()  # chain length by match length (1, 2, ... tokens); (): ``depth`` from min_ngram
 
     def __post_init__(self):
+        lengths = self.lengths or fixed_lengths(self.depth, self.min_ngram, self.max_ngram)
+        check_lengths(lengths)
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "depth", max(lengths))
         object.__setattr__(self, "num_nodes", 1 + self.width * self.depth)
         object.__setattr__(self, "max_depth", self.depth)
-        # no match: verify the root alone; one chain's worth: a chain-sized pass
-        object.__setattr__(self, "tiers", (1, 1 + self.depth))
+        # no match: verify the root alone; else a pass the size of the chain its match earns
+        object.__setattr__(self, "tiers", tuple(sorted({1 + n for n in lengths} | {1})))
 
     def propose(self, dparams, state, gen):
-        chains, lengths = lookup_continuations(gen.seq, gen.seq_len, self.width, self.depth, self.max_ngram,
-                                               self.min_ngram)
+        chains, lengths = lookup_by_match(gen.seq, gen.seq_len, self.width, self.lengths)
         tree = chains_to_tree(gen.last_token(), chains, lengths)
         return tree, state, DraftCost.of(jnp.zeros((gen.seq.shape[0],), jnp.int32))
 
 
+def fixed_lengths(depth: int, min_ngram: int, max_ngram: int) -> tuple[int, ...]:
+    """Chain lengths by match length (1 .. ``max_ngram`` tokens): ``depth`` from ``min_ngram`` on."""
+    return tuple(depth if n >= min_ngram else 0 for n in range(1, max_ngram + 1))
+
+
+def check_lengths(lengths: tuple[int, ...]) -> None:
+    """Refuse chain-length tables that propose nothing or hold negative lengths."""
+    if not lengths or max(lengths) < 1 or min(lengths) < 0:
+        raise ValueError(f"lookup chain lengths by match length must be >= 0 with one >= 1 (got {lengths})")
+
+
+def lookup_by_match(seq: Int[Array, "B S"], length: Int[Array, " B"], width: int, lengths: tuple[int, ...]
+                    ) -> tuple[Int[Array, "B W D"], Int[Array, "B W"]]:
+    """``lookup_continuations`` with each chain cut to the length its match earns: ``lengths[n - 1]``
+    tokens for a match of the ``n`` newest tokens (matches of up to ``len(lengths)`` tokens are sought,
+    of at least the first n with a nonzero length)."""
+    min_ngram = next(n for n, d in enumerate(lengths, 1) if d > 0)
+    chains, avail, ngram = lookup_continuations(seq, length, width, max(lengths), len(lengths), min_ngram,
+                                                with_ngram=True)
+    earned = jnp.array((0, *lengths), jnp.int32)[ngram]
+    return chains, jnp.minimum(avail, earned)
+
+
 def lookup_continuations(seq: Int[Array, "B S"], length: Int[Array, " B"], width: int, depth: int, max_ngram: int,
-                         min_ngram: int = 1) -> tuple[Int[Array, "B W D"], Int[Array, "B W"]]:
+                         min_ngram: int = 1, with_ngram: bool = False) -> tuple[Int[Array, "..."], ...]:
     """The ``width`` best earlier continuations of each row's newest tokens (longer n-gram match first,
-    then the most recent), ``depth`` tokens each, and how many of them lie inside the context (0: no
-    match)."""
+    then the most recent), ``depth`` tokens each [B, W, D], and how many of them lie inside the context
+    [B, W] (0: no match); with ``with_ngram`` also the length of each match's n-gram [B, W] (0: none)."""
     b, s = seq.shape
     last = jnp.take_along_axis(seq, (length[:, None] - 1 - jnp.arange(max_ngram)[None, :]).clip(0), axis=1)
     # A match ends at e (exclusive, e < length): seq[e-1-j] == seq[length-1-j] for j < n.
@@ -60,4 +89,7 @@ def lookup_continuations(seq: Int[Array, "B S"], length: Int[Array, " B"], width
     follow = where[:, :, None] + jnp.arange(depth)[None, None, :]  # [B, W, D]
     chains = jnp.take_along_axis(seq[:, None, :], follow.clip(0, s - 1), axis=2)
     avail = jnp.clip(length[:, None] - where, 0, depth)  # continuation tokens inside the context
-    return chains, jnp.where(top >= 0, avail, 0)
+    avail = jnp.where(top >= 0, avail, 0)
+    if with_ngram:
+        return chains, avail, jnp.where(top >= 0, top // s, 0)
+    return chains, avail
