@@ -72,6 +72,30 @@ def test_lookup_chains_are_as_long_as_their_match_earns():
         PromptLookupDrafter(lengths=(0, 0))
 
 
+def test_lookup_policy_replay_counts_rounds_as_the_engine_would():
+    """``benchmarks/lookup_policy.py``'s replay: a chain is cut to what its match earns and accepted up to
+    its first wrong token; every round emits one more token than it accepted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lookup_policy.py"
+    spec = importlib.util.spec_from_file_location("lookup_policy_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    answer = [3, 4, 5, 6, 9, 9, 9]  # copies the prompt for 4 tokens, then leaves it
+    avail, ngram, accepted = bench.lookup_table(prompt, answer, depth=6, max_ngram=3, min_ngram=2)
+    # context ... 1 2 3 matches the prompt's 1 2 3 (3 tokens): 4 5 6 7 8 1 proposed, 4 5 6 right
+    assert ngram.tolist() == [3, 3, 3, 3, 0, 0] and accepted.tolist() == [3, 2, 1, 0, 0, 0]
+    cost = {n: float(n) for n in range(1, 8)}
+    table = [(avail, ngram, accepted)]
+    long_ = bench.replay(table, {(g, p): 6 for g in (2, 3) for p in (1, 2, 3)}, (1, 7), cost)
+    short = bench.replay(table, {(g, p): 2 for g in (2, 3) for p in (1, 2, 3)}, (1, 3, 7), cost)
+    assert long_["tokens"] == short["tokens"] == len(answer) - 1  # the first answer token came from the prefill
+    assert (long_["rounds"], long_["nodes"]) == (3, 7 + 1 + 1)  # 4 tokens from a 7-node pass, then 2 plain steps
+    assert (short["rounds"], short["nodes"]) == (4, 3 + 3 + 1 + 1)  # 3 tokens, then a miss: 1, then 2 steps
+
+
 def test_pld_accepts_on_a_copying_model(llama):
     """A model that has fallen into a loop is what prompt lookup is for: many tokens per pass."""
     cfg, params = llama
