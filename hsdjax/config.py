@@ -49,6 +49,10 @@ class ModelConfig:
     # "bfloat16": the compressed 4-bit matmuls round their inputs to bfloat16 (``load_model(cpu_matmul="bf16x")``);
     # "int8": they quantize them to int8 per 32 k (``cpu_matmul="int8x"``)
     cpu_matmul_activations: str = "float32"
+    # Greedy tokens of the LM head through an int8 screen (``cpu_matmul.screened_argmax``: the same index
+    # as the float32 logits' argmax, most of the head's float32 products skipped); the params then carry
+    # ``head_colabs``. Set by ``load_model`` when the head is an 8-bit compressed panel and the CPU has VNNI.
+    screened_head: bool = False
     # KV cache storage dtype; None stores it in the compute dtype. "float16" on CPU halves the bytes a
     # long-context step reads (the cache kernel widens it as it reads); keys and values are rounded once
     # when written, identically for every method, so speculative output still equals `ar`'s.

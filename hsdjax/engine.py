@@ -36,7 +36,7 @@ from hsdjax.model import KVCache, Transformer, causal_mask, commit, gather_path,
 from hsdjax.sampling import SamplingParams, log_probs, select_tokens, top_k_blocked
 from hsdjax.tree import DraftTree, ancestor_mask, compact
 from hsdjax.tree import positions as tree_positions
-from hsdjax.verify import Verdict, verify_chain_sampled, verify_tree
+from hsdjax.verify import Verdict, accept_tree, draw_node_tokens, verify_chain_sampled, verify_tree
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 CACHE_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -391,6 +391,22 @@ class PassResult:
     lookup_accepted: Int[Array, " B"]  # accepted drafts that a grafted lookup chain supplied
 
 
+def node_tokens(params: dict[str, Any], cfg: ModelConfig, hidden: Float[Array, "B N E"], sp: SamplingParams,
+                keys: UInt[Array, "B 2"]) -> Int[Array, "B N"]:
+    """The target's token at every node (``verify.draw_node_tokens``). When every row is greedy no logits
+    are formed: ``Transformer.greedy_tokens`` (through the int8 screen where the model has one)."""
+    model = Transformer(cfg)
+
+    def drawn(_):
+        logits = model.apply({"params": params}, hidden, method=Transformer.logits)
+        return draw_node_tokens(logits, sp, keys)
+
+    def greedy(_):
+        return model.apply({"params": params}, hidden, method=Transformer.greedy_tokens)
+
+    return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, greedy, None)
+
+
 def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: GenState, tree: DraftTree
                 ) -> PassResult:
     """One target pass over the tree and its verdict. The cache is only read here; the accepted path
@@ -399,9 +415,14 @@ def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: Gen
     mask = ancestor_mask(tree, drafter.max_depth)
     fwd = model.apply({"params": params}, tree.tokens, tree_positions(tree, gen.cache.length), mask, gen.cache,
                       keep_layers=drafter.prompt_layers)
-    logits = model.apply({"params": params}, fwd["hidden"], method=Transformer.logits)
-    verify = verify_chain_sampled if drafter.sampled_chain else verify_tree
-    verdict = verify(logits, tree, gen.sampling, step_keys(gen.keys, gen.seq_len), drafter.max_depth)
+    keys = step_keys(gen.keys, gen.seq_len)
+    logits = None
+    if drafter.sampled_chain or gen.logprobs is not None:
+        logits = model.apply({"params": params}, fwd["hidden"], method=Transformer.logits)
+        verify = verify_chain_sampled if drafter.sampled_chain else verify_tree
+        verdict = verify(logits, tree, gen.sampling, keys, drafter.max_depth)
+    else:
+        verdict = accept_tree(node_tokens(params, cfg, fwd["hidden"], gen.sampling, keys), tree, drafter.max_depth)
     along = lambda x: jnp.take_along_axis(x, verdict.path.reshape(*verdict.path.shape, *([1] * (x.ndim - 2))),  # noqa: E731
                                           axis=1)
     path_k, path_v = gather_path(fwd["k"], fwd["v"], verdict.path)

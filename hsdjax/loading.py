@@ -166,14 +166,15 @@ def load_target_parts(name_or_path: str | None = None) -> LoadedModel:
 
 def load_model(name_or_path: str | None = None, *, dtype: str | None = None, layer_loop: str | None = None,
                progress: bool = False, mesh: Any = None, fused_projections: bool | None = None,
-               cpu_matmul: str | None = None, cache_dtype: str | None = None) -> LoadedModel:
+               cpu_matmul: str | None = None, cache_dtype: str | None = None,
+               screened_head: bool | None = None) -> LoadedModel:
     """Load a registered model by name, a local ``.gguf`` file, or a local Hugging Face folder.
 
     ``fused_projections``: q/k/v and gate/up as one matmul each (``hsdjax.model.fuse_projections``;
     unsharded models only; the same outputs bit for bit). None (default): fused when the CPU kernels run
     (``cpu_matmul``) and the parts' packed panels are stored alike in every layer (their panels are
     joined after packing): fewer kernel calls, the same x read once, measured 3-6% faster for 2- and
-    8-node passes and equal or faster for a one-token step (``benchmarks/fused_projections.py``,
+    8-node passes and equal or faster for a one-token step (``benchmarks/model_variants.py --compare fused``,
     2026-12-04); separate otherwise (on XLA's own CPU dot the fused form was 3-5% slower for trees).
 
     ``layer_loop`` is ``scan`` (stacked weights under ``lax.scan``) or ``unrolled`` (per-layer weights);
@@ -193,11 +194,19 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     (AVX512-VNNI, four k per instruction; coarser than ``bf16x``). Default: ``$HSDJAX_CPU_MATMUL``, else
     ``auto``.
 
+    ``screened_head``: greedy tokens of an 8-bit compressed LM head (SmolLM2's Q8_0) through an int8
+    screen (``cpu_matmul.screened_argmax``): the same token as the float32 logits' argmax, computing
+    the float32 products only for the few columns that could be the largest. None (default): on where it
+    applies (the kernels run in ``auto`` / ``bf16x`` mode on a CPU with AVX512-VNNI), unless
+    ``$HSDJAX_SCREENED_HEAD`` is ``0``; False: the argmax of the full logits.
+
     ``cache_dtype``: the KV cache's storage dtype (default: the compute dtype). ``float16`` halves what
     a long-context step reads; outputs may differ from a float32 cache's (each key and value is rounded
     once), but every method rounds the same way, so speculative output still equals `ar`'s.
     """
     mesh = sharding.make_mesh(mesh)
+    if screened_head is None:
+        screened_head = os.environ.get("HSDJAX_SCREENED_HEAD", "1") != "0"
     layer_loop = layer_loop or default_layer_loop()
     if layer_loop not in ("scan", "unrolled"):
         raise HsdjaxError(f"layer_loop must be 'scan' or 'unrolled' (got {layer_loop!r})")
@@ -230,6 +239,9 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
             params, cfg = fused, cfg.replace(fused_projections=True)
         activations = ACTIVATIONS.get(cpu_matmul_setting(cpu_matmul), "float32")
         cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations=activations)
+        if screened_head and cpu_matmul_kernel.can_screen(params["head_panels"], activations):
+            params = dict(params, head_colabs=jnp.asarray(cpu_matmul_kernel.column_abs_sums(params["head_panels"])))
+            cfg = cfg.replace(screened_head=True)
     params = sharding.shard_params(cfg, params, mesh)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)

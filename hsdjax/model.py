@@ -21,8 +21,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.config import ModelConfig
 from hsdjax.kernels.cpu_attention import tree_attention_cpu
-from hsdjax.kernels.cpu_matmul import PANEL, panel_matmul
+from hsdjax.kernels.cpu_matmul import PANEL, panel_matmul, screened_argmax
 from hsdjax.kernels.tree_attention import NEG_INF, attention_fn  # noqa: F401  (NEG_INF re-exported)
+from hsdjax.sampling import argmax_last
 
 
 @struct.dataclass
@@ -278,6 +279,14 @@ class Transformer(nn.Module):
             return jnp.einsum("...e,ve->...v", hidden, self.embed.astype(dt), preferred_element_type=jnp.float32)
         return jnp.matmul(hidden, self.lm_head.astype(dt), preferred_element_type=jnp.float32)
 
+    def greedy_tokens(self, hidden: Float[Array, "... E"]) -> Int[Array, "..."]:
+        """``argmax_last(logits(hidden))``; with ``cfg.screened_head`` the same index without most of the
+        head's float32 products (``cpu_matmul.screened_argmax``)."""
+        if self.cfg.screened_head:
+            params = self.variables["params"]
+            return screened_argmax(hidden, params["head_panels"], params["head_colabs"])
+        return argmax_last(self.logits(hidden))
+
 
 def causal_mask(lengths: Int[Array, " B"], t: int) -> Bool[Array, "B T T"]:
     """Causal mask for T new tokens, padding beyond ``lengths`` masked (each query still sees itself)."""
@@ -311,7 +320,7 @@ def fuse_projections(params: dict[str, Any], packed: bool = False) -> dict[str, 
 
     Fewer, wider matmuls (each input read once; fewer kernel calls). On XLA's own CPU dot the fused form
     was 3-5% slower for 2-16-token tree passes; through the CPU kernels 3-6% faster
-    (``benchmarks/fused_projections.py``), so ``load_model`` fuses when the kernels run."""
+    (``benchmarks/model_variants.py --compare fused``), so ``load_model`` fuses when the kernels run."""
     def fuse(layer: dict[str, Any], stacked: bool) -> dict[str, Any] | None:
         out = dict(layer)
         for fused, parts in FUSED_PROJECTIONS.items():

@@ -43,7 +43,6 @@ from hsdjax.bench.questions import read_questions
 from hsdjax.errors import HsdjaxError
 from hsdjax.methods import FEATURE_METHODS, REGISTRY, TREE_METHODS, draft_model_of, write_tuned
 from hsdjax.model import Transformer, init_cache
-from hsdjax.sampling import argmax_last
 
 NODE_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -57,7 +56,7 @@ def pass_cost(model: Any, nodes: Sequence[int] = NODE_COUNTS, context: int = 256
     @jax.jit
     def verify_pass(params, cache, tokens, positions, mask):
         out = net.apply({"params": params}, tokens, positions, mask, cache)
-        return argmax_last(net.apply({"params": params}, out["hidden"], method=Transformer.logits))
+        return net.apply({"params": params}, out["hidden"], method=Transformer.greedy_tokens)
 
     costs = {}
     for n in nodes:

@@ -64,12 +64,17 @@ def _path_to(tree: DraftTree, node: Int[Array, " B"], max_depth: int) -> Int[Arr
     return jnp.take_along_axis(rev, jnp.clip(idx, 0, max_depth), axis=1)
 
 
-def verify_tree(logits: Float[Array, "B N V"], tree: DraftTree, sp: SamplingParams, keys: UInt[Array, "B 2"],
-                max_depth: int) -> Verdict:
-    """The deterministic-tree rule (see module docstring)."""
+def draw_node_tokens(logits: Float[Array, "B N V"], sp: SamplingParams, keys: UInt[Array, "B 2"]) -> Int[Array, "B N"]:
+    """The target's token at every node: its argmax for greedy rows, a draw with the node's key otherwise."""
     b, n, v = logits.shape
     flat_sp = jax.tree_util.tree_map(lambda a: jnp.repeat(a, n, axis=0), sp)
-    y = select_tokens(logits.reshape(b * n, v), flat_sp, node_keys(keys, n).reshape(b * n, 2)).reshape(b, n)
+    return select_tokens(logits.reshape(b * n, v), flat_sp, node_keys(keys, n).reshape(b * n, 2)).reshape(b, n)
+
+
+def accept_tree(y: Int[Array, "B N"], tree: DraftTree, max_depth: int) -> Verdict:
+    """The deterministic-tree rule given the target's token ``y`` at every node: the deepest node whose
+    path matches the target's tokens, and the target's token after it."""
+    n = y.shape[1]
     accepted = jnp.arange(n)[None, :] == 0
     parent = jnp.maximum(tree.parents, 0)
     match = tree.valid & (tree.parents >= 0) & (tree.tokens == jnp.take_along_axis(y, parent, axis=1))
@@ -79,6 +84,12 @@ def verify_tree(logits: Float[Array, "B N V"], tree: DraftTree, sp: SamplingPara
     depth = jnp.take_along_axis(tree.depth, deepest[:, None], axis=1)[:, 0]
     return Verdict(path=_path_to(tree, deepest, max_depth), n_path=depth + 1,
                    bonus=jnp.take_along_axis(y, deepest[:, None], axis=1)[:, 0])
+
+
+def verify_tree(logits: Float[Array, "B N V"], tree: DraftTree, sp: SamplingParams, keys: UInt[Array, "B 2"],
+                max_depth: int) -> Verdict:
+    """The deterministic-tree rule (see module docstring)."""
+    return accept_tree(draw_node_tokens(logits, sp, keys), tree, max_depth)
 
 
 def residual_probs(p: Float[Array, "... V"], q: Float[Array, "... V"]) -> Float[Array, "... V"]:

@@ -461,6 +461,9 @@ struct Work {
   const float* xs = nullptr;     // and their sums per 32 k (the offset term of 4-bit blocks)
   const uint32_t* xq = nullptr;  // int8 activations (compressed panels only): four k per word
   const float* sq = nullptr;     // and their scale per 32 k
+  const float* colabs = nullptr;  // screened argmax: sum |w| per 32 k and column [N/32, K/32, 32]
+  float* lo_max = nullptr;        // and per row and panel the largest lower bound [M, N/32]
+  float* hi_max = nullptr;        // and upper bound (y gets each column's upper bound)
 };
 
 // A whole compressed panel decoded to float32 panel layout [K, 32] (for sweeps of more than 8 rows).
@@ -532,6 +535,53 @@ void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) 
 #undef HSDJAX_TILE
 }
 
+// ---- exact greedy tokens through an int8 screen (`screened_argmax`) -----------------------------------
+// The index of each row's largest logit, as the float32 chains compute the logits, without running the
+// chains over the whole vocabulary. The int8x products give every logit up to a bound: x differs from
+// its int8 rounding by at most half a step, max|x_b| / 254, in each block b of 32 k, so a logit differs
+// by at most sum_b max|x_b| / 254 * sum_{k in b} |w_kv| (plus float32 rounding of both products, far
+// below the 2^-11 slack added here). Only a column whose upper bound reaches the largest lower bound can
+// hold the maximum; the float32 chains then run on the panels holding those columns (QTile, the same
+// chains as the full product, so the same values bit for bit) and the first largest value wins, as in
+// argmax. Rows that hold a NaN or an infinity run the chains on every panel.
+constexpr float kScreenSlack = 0.5f / 127.f + 1.f / 2048.f;
+
+// Panel p's upper bounds per column (written over its int8x products in y) and, per row, the panel's
+// largest lower and upper bound (w.lo_max / w.hi_max [M, N/32]).
+inline float MaxOf(const v16& a, const v16& b) {
+  float out = a[0] > b[0] ? a[0] : b[0];
+  for (int j = 0; j < 16; ++j) out = std::max(out, std::max(a[j], b[j]));
+  return out;
+}
+
+void Bounds(const Work& w, int64_t p) {
+  const int64_t blocks = w.k / 32, panels = w.n / kPanel;
+  const float* a = w.colabs + p * blocks * kPanel;
+  for (int64_t m = 0; m < w.m; ++m) {
+    const float* sq = w.sq + m * blocks;  // max|x_b| / 127
+    v16 e0{}, e1{};
+    for (int64_t b = 0; b < blocks; ++b) {
+      v16 c0, c1;
+      __builtin_memcpy(&c0, a + b * kPanel, 64);
+      __builtin_memcpy(&c1, a + b * kPanel + 16, 64);
+      const float s = sq[b] * 127.f;
+      e0 += s * c0;
+      e1 += s * c1;
+    }
+    e0 *= kScreenSlack;
+    e1 *= kScreenSlack;
+    float* y = w.y + m * w.n + p * kPanel;
+    v16 y0, y1;
+    __builtin_memcpy(&y0, y, 64);
+    __builtin_memcpy(&y1, y + 16, 64);
+    const v16 h0 = y0 + e0, h1 = y1 + e1;
+    __builtin_memcpy(y, &h0, 64);
+    __builtin_memcpy(y + 16, &h1, 64);
+    w.lo_max[m * panels + p] = MaxOf(y0 - e0, y1 - e1);
+    w.hi_max[m * panels + p] = MaxOf(h0, h1);
+  }
+}
+
 // Up to 8 rows read a compressed (or bfloat16) panel once, decoding on the fly; more rows decode it
 // once into a buffer (L2-sized) and sweep that per 8 rows. Either way every output is the same chain
 // over k.
@@ -555,6 +605,7 @@ void Panels(const Work& w) {
     Work at = w;
     at.y = w.y + p * kPanel;
     for (int64_t m0 = 0; m0 < w.m; m0 += 8) Rows(at, bits, panel, m0, std::min<int64_t>(8, w.m - m0));
+    if (w.colabs) Bounds(w, p);
   }
 }
 
@@ -682,6 +733,103 @@ ffi::Error CompressedMatmulInt8x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   return Compressed(pool, x, wq, y, Activations::kInt8);
 }
 
+// The first index of the largest of 32 x n_panels values (argmax: the first NaN wins if there is one).
+struct Best {
+  int64_t index = -1;
+  float value = 0.f;
+  bool nan = false;
+  void Offer(int64_t v, float y) {
+    if (nan) return;
+    if (std::isnan(y)) {
+      index = v;
+      nan = true;
+    } else if (index < 0 || y > value) {
+      index = v;
+      value = y;
+    }
+  }
+};
+
+// One row's argmax over the float32 chains of the panels listed (ascending), columns filtered by keep.
+template <typename Keep>
+Best ExactBest(const float* x, int64_t k, const uint8_t* wq, int64_t panel_bytes, const int64_t* panels,
+               int64_t count, Keep&& keep) {
+  Best best;
+  alignas(64) float y[kPanel];
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t p = panels[i];
+    QTile<1, 8>(x, k, wq + p * panel_bytes, y, kPanel);
+    for (int64_t j = 0; j < kPanel; ++j) {
+      if (keep(p * kPanel + j)) best.Offer(p * kPanel + j, y[j]);
+    }
+  }
+  return best;
+}
+
+ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                          ffi::Buffer<ffi::F32> colabs, ffi::ResultBuffer<ffi::S32> out) {
+  auto xd = x.dimensions();
+  auto wd = wq.dimensions();
+  auto ad = colabs.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || ad.size() != 3 || wd[2] != Format<8>::kBlockBytes ||
+      xd[1] != wd[1] * Format<8>::kRows || xd[1] % 32 != 0 || ad[0] != wd[0] || ad[1] != xd[1] / 32 ||
+      ad[2] != kPanel) {
+    return ffi::Error::InvalidArgument("hsdjax screened argmax: expects x [M, K], 8-bit panels [N/32, K/16, 640] "
+                                       "and column sums [N/32, K/32, 32]");
+  }
+  if (!kHaveInt8x) {
+    return ffi::Error::InvalidArgument("hsdjax screened argmax: this build has no AVX512-VNNI / AVX512-VBMI");
+  }
+  const int64_t m = xd[0], k = xd[1], panels = wd[0], n = panels * kPanel, blocks = k / 32;
+  const int64_t panel_bytes = wd[1] * Format<8>::kBlockBytes;
+  const float* xs = x.typed_data();
+  const uint8_t* w = wq.typed_data();
+  thread_local std::unique_ptr<float[]> hi, lo_max, hi_max;  // reused across calls: no page faults per call
+  thread_local int64_t have = 0;
+  if (have < m * n) {
+    hi.reset(new float[m * n]);
+    lo_max.reset(new float[m * panels]);
+    hi_max.reset(new float[m * panels]);
+    have = m * n;
+  }
+  std::unique_ptr<uint32_t[]> xq(new uint32_t[m * (k / 4)]);
+  std::unique_ptr<float[]> sq(new float[m * blocks]), sums(new float[m * blocks]);
+  QuantizeActivations(xs, m, k, xq.get(), sq.get(), sums.get());
+  Work all{xs, m, k, w, panel_bytes, 8, 0, panels, hi.get(), n};
+  all.xq = xq.get();
+  all.sq = sq.get();
+  all.colabs = colabs.typed_data();
+  all.lo_max = lo_max.get();
+  all.hi_max = hi_max.get();
+  RunChunks(pool, all);
+  std::unique_ptr<int64_t[]> listed(new int64_t[panels]);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = xs + r * k;
+    bool finite = true;
+    for (int64_t i = 0; i < k; ++i) finite &= std::isfinite(xr[i]);
+    const float* h = hi.get() + r * n;
+    const float* pl = lo_max.get() + r * panels;
+    const float* ph = hi_max.get() + r * panels;
+    float floor = pl[0];
+    for (int64_t p = 1; p < panels; ++p) floor = std::max(floor, pl[p]);
+    finite &= std::isfinite(floor);
+    int64_t count = 0;
+    Best best;
+    if (finite) {
+      for (int64_t p = 0; p < panels; ++p) {
+        if (ph[p] >= floor) listed[count++] = p;
+      }
+      best = ExactBest(xr, k, w, panel_bytes, listed.get(), count, [&](int64_t v) { return h[v] >= floor; });
+    }
+    if (!finite || best.nan || best.index < 0) {  // every panel, every column
+      for (int64_t p = 0; p < panels; ++p) listed[p] = p;
+      best = ExactBest(xr, k, w, panel_bytes, listed.get(), panels, [](int64_t) { return true; });
+    }
+    out->typed_data()[r] = static_cast<int32_t>(best.index);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxPanelMatmul, PanelMatmul,
@@ -718,6 +866,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulInt8x, CompressedMatmulInt8x
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxScreenedArgmax, ScreenedArgmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 // Whether this build has the int8-activation products (AVX512-VNNI and AVX512-VBMI).
 extern "C" int HsdjaxHasInt8x() { return kHaveInt8x ? 1 : 0; }

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 PANEL = 32  # output columns per panel: two 16-float vectors per row
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
@@ -47,6 +47,7 @@ TARGET = "hsdjax_panel_matmul"
 COMPRESSED_TARGET = "hsdjax_compressed_matmul"
 COMPRESSED_BF16X_TARGET = "hsdjax_compressed_matmul_bf16x"  # activations rounded to bfloat16 (opt-in)
 COMPRESSED_INT8X_TARGET = "hsdjax_compressed_matmul_int8x"  # activations quantized to int8 per 32 k (opt-in)
+SCREENED_ARGMAX_TARGET = "hsdjax_screened_argmax"  # exact greedy tokens of an 8-bit head through an int8 screen
 BF16_TARGET = "hsdjax_bf16_matmul"  # bfloat16 panels (a drafter's trained matrices: exact, half the bytes)
 ATTENTION_TARGET = "hsdjax_cache_attention"
 ATTENTION_F16_TARGET = "hsdjax_cache_attention_f16"  # the same over a float16 KV cache
@@ -107,6 +108,8 @@ def load() -> bool:
         jax.ffi.register_ffi_target(COMPRESSED_BF16X_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmulBf16x),
                                     platform="cpu")
         jax.ffi.register_ffi_target(COMPRESSED_INT8X_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmulInt8x),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(SCREENED_ARGMAX_TARGET, jax.ffi.pycapsule(lib.HsdjaxScreenedArgmax),
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttention), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_F16_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttentionF16),
@@ -415,3 +418,41 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
         y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32),
                                                                    wp.astype(jnp.float32))
     return y.reshape(*lead, n)
+
+
+# ------------------------------------------------------------------------- greedy tokens of the LM head
+
+
+def column_abs_sums(wq: Any) -> np.ndarray:
+    """Per 32 k and column, the sum of |w| of 8-bit compressed panels [N/32, K/16, 640]: [N/32, K/32, 32]
+    float32, what ``screened_argmax`` bounds the int8 screen's error with (rounded up, so it stays an
+    upper bound). |w| = |code| * |scale| per block of 16 k, summed in float64 from the bytes."""
+    raw = np.asarray(wq)
+    p, kb, _ = raw.shape
+    scales = np.abs(raw[..., :HEADER[8]].copy().view(np.float32)).astype(np.float64)  # [P, KB, 32]
+    codes = np.abs(raw[..., HEADER[8]:].view(np.int8).reshape(p, kb, BLOCK_ROWS[8], PANEL).astype(np.int32))
+    per_block = codes.sum(axis=2) * scales  # [P, KB, 32]
+    sums = per_block.reshape(p, kb // 2, 2, PANEL).sum(axis=2)
+    return np.nextafter(sums.astype(np.float32), np.float32(np.inf))
+
+
+def can_screen(wq: Any, activations: str = "float32") -> bool:
+    """Whether ``screened_argmax`` applies: 8-bit compressed panels whose logits are the float32 chains
+    (not ``int8x``, where the int8 products are the model), K a multiple of 32, a VNNI build."""
+    return (activations != "int8" and is_compressed(wq) and compressed_bits(wq) == 8
+            and wq.shape[-2] * BLOCK_ROWS[8] % 32 == 0 and has_int8x())
+
+
+def screened_argmax(x: Float[Array, "... K"], wq: Any, colabs: Any) -> Int[Array, "..."]:
+    """``argmax(panel_matmul(x, wq), -1)`` (first index of the largest; a NaN wins) without most of the
+    float32 product: AVX512-VNNI's int8 products bound every logit (``column_abs_sums``), and the float32
+    chains run only on the panels holding a column that could be the largest (a handful per row on
+    SmolLM2's head), so the index is that of the full product bit for bit. 8-bit panels (``can_screen``)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = 1
+    for s in lead:
+        rows *= s
+    out = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    y = jax.ffi.ffi_call(SCREENED_ARGMAX_TARGET, out, vmap_method="sequential")(
+        x.reshape(rows, k).astype(jnp.float32), wq, colabs)
+    return y.reshape(lead)

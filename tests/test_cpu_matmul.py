@@ -19,6 +19,7 @@ from hsdjax.errors import HsdjaxError
 from hsdjax.kernels import cpu_matmul
 from hsdjax.loading import use_cpu_matmul
 from hsdjax.model import Transformer, causal_mask, init_params
+from hsdjax.sampling import argmax_last
 from tests.conftest import TINY_LLAMA, run_engine
 
 # every width a multiple of the 32-column panel
@@ -315,6 +316,78 @@ def test_speculative_decoding_with_bf16x_or_int8x_activations_equals_ar(kernel, 
     assert int(np.asarray(state.stats.accepted_drafts).sum()) > 0  # trees were verified and accepted from
 
 
+def screen_rows(rng, m: int, k: int) -> np.ndarray:
+    """Rows of x as a final norm gives them (a few outlier channels), plus the cases the screen must not
+    get wrong: all zeros (every logit 0: index 0), a NaN (the first NaN wins), an infinity."""
+    x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.05, 4, (m, 1)).astype(np.float32)
+    x[:, rng.integers(0, k, 3)] *= 20
+    x[1 % m] = 0
+    if m > 3:
+        x[2, 7], x[3, 0] = np.nan, np.inf
+    return x
+
+
+@pytest.mark.skipif(not cpu_matmul.has_int8x(), reason="the int8 screen needs AVX512-VNNI / AVX512-VBMI")
+@settings(max_examples=10, deadline=None)
+@given(kb=st.integers(1, 6), panels=st.integers(1, 40), m=st.integers(1, 19), seed=st.integers(0, 999))
+def test_screened_argmax_is_the_float32_products_argmax(kernel, kb, panels, m, seed):
+    """The int8 screen's token is that of the float32 chains bit for bit: on exact ties (a duplicated
+    column: the first wins), on near-ties (one code apart), for every row count (tiles of 4 int8 rows,
+    sweeps of more than 8), on zero, NaN and infinite rows."""
+    rng = np.random.default_rng(seed)
+    k, n = 32 * kb, 32 * panels
+    w = block_quantized(rng, k, n, 8)
+    if n > 2:
+        w[:, n - 1] = w[:, 1]  # an exact tie with an earlier column
+        w[:, n // 2] = w[:, 0]
+        step = np.abs(w[5, 0]) / 127  # block 0's scale in column 0 (row 5 holds the code +-127)
+        w[0, n // 2] = w[0, 0] + (step if w[0, 0] < 126 * step else -step)  # one code away: a near-tie
+    wq = cpu_matmul.compress_weight(jnp.asarray(w))
+    assert wq is not None and cpu_matmul.compressed_bits(wq) == 8 and cpu_matmul.can_screen(wq)
+    x = jnp.asarray(screen_rows(rng, m, k))
+    full = np.asarray(argmax_last(cpu_matmul.panel_matmul(x, wq)))
+    got = np.asarray(jax.jit(cpu_matmul.screened_argmax)(x, wq, jnp.asarray(cpu_matmul.column_abs_sums(wq))))
+    assert got.dtype == np.int32 and np.array_equal(got, full)
+    exact = np.asarray(x).astype(np.float64) @ w  # where the top two are clearly apart, the real argmax too
+    top2 = np.sort(exact, axis=1)[:, -2:] if n > 1 else None
+    clear = np.isfinite(exact).all(axis=1) & ((top2[:, 1] - top2[:, 0] > 1e-3) if n > 1 else True)
+    assert np.array_equal(got[clear], np.argmax(exact[clear], axis=1))
+
+
+def test_column_abs_sums_bound_the_weights(kernel):
+    w = block_quantized(np.random.default_rng(3), 96, 64, 8)
+    wq = cpu_matmul.compress_weight(jnp.asarray(w))
+    sums = cpu_matmul.column_abs_sums(wq)  # [N/32, K/32, 32]
+    want = np.abs(w.astype(np.float64)).reshape(3, 32, 2, 32).sum(axis=1).transpose(1, 0, 2)
+    assert sums.shape == (2, 3, 32) and (sums >= want).all()
+    np.testing.assert_allclose(sums, want, rtol=1e-6)
+    assert not cpu_matmul.can_screen(wq, "int8")  # in int8x the int8 products are the model
+    assert not cpu_matmul.can_screen(cpu_matmul.pack(jnp.asarray(w)))  # float32 panels: nothing to screen
+
+
+def test_speculative_decoding_with_the_screened_head_equals_ar(kernel):
+    """A tiny model with an 8-bit head: greedy tokens through the screen equal the full logits' argmax,
+    for `ar` and for `pld`'s tree passes (and sampled rows still draw from the full logits)."""
+    if not cpu_matmul.has_int8x():
+        pytest.skip("the int8 screen needs AVX512-VNNI / AVX512-VBMI")
+    rng = np.random.default_rng(11)
+    params = init_params(PANEL_LLAMA, seed=8)
+    params = {**params, "embed": jnp.asarray(block_quantized(rng, 64, 96, 8).T * 4)}
+    packed = cpu_matmul.pack_params(params, True)
+    assert cpu_matmul.can_screen(packed["head_panels"])
+    screened = {**packed, "head_colabs": jnp.asarray(cpu_matmul.column_abs_sums(packed["head_panels"]))}
+    cfg = PANEL_LLAMA.replace(cpu_matmul=True)
+    motif = rng.integers(0, cfg.vocab_size, 6).tolist()
+    prompts = [motif * 3 + rng.integers(0, cfg.vocab_size, 4).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
+    want = run_engine(cfg, packed, prompts, 24)
+    on = cfg.replace(screened_head=True)
+    assert run_engine(on, screened, prompts, 24) == want
+    got, state = run_engine(on, screened, prompts, 24, drafter=PromptLookupDrafter(width=2, depth=4), return_state=True)
+    assert got == want and int(np.asarray(state.stats.accepted_drafts).sum()) > 0
+    sampled = dict(temperature=0.8, seed=4)
+    assert run_engine(on, screened, prompts, 16, **sampled) == run_engine(cfg, packed, prompts, 16, **sampled)
+
+
 def test_load_setting_is_checked_and_explained(kernel):
     with pytest.raises(HsdjaxError, match="auto, on, off, float32, bf16x, int8x"):
         use_cpu_matmul("fast", PANEL_LLAMA, None)
@@ -340,6 +413,7 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
     assert {k: str(v.dtype) for k, v in layer.items() if k in cpu_matmul.PACKED_WEIGHTS} == {
         k: "uint8" for k in ("wqkv", "wo", "w_gate_up", "w_down")}
     assert cpu_matmul.compressed_bits(smollm.params["head_panels"]) == 8
+    assert smollm.cfg.screened_head == cpu_matmul.has_int8x()  # greedy tokens through the int8 screen
     prompt = "List three uses of a paperclip, then explain the second one."
     ar = Generator(smollm, "ar").generate(prompt, max_new_tokens=40)[0]
     hsd = Generator(smollm, "hsd").generate(prompt, max_new_tokens=40)[0]

@@ -1,12 +1,14 @@
-"""Fused q/k/v and gate/up projections against separate ones: ms per round inside the jitted loop.
+"""Two variants of the same model, ms per round inside the jitted loop: ``--compare fused`` (q/k/v and
+gate/up as one matmul each against separate ones: ``load_model(fused_projections=True/False)``) or
+``--compare screened`` (the LM head's greedy tokens through the int8 screen, ``cpu_matmul.screened_argmax``,
+against the argmax of the full float32 logits: the same params, ``cfg.screened_head`` on / off).
 
-Loads the model twice (``load_model(fused_projections=True/False)``), builds the same `ar` and fixed-
-tree programs for both with ``benchmarks/round_cost.py``'s machinery, and times them interleaved
-(each repeat calls every program once, the order rotated), so both variants see the same machine
-state. Prints ms per round (median) and the fused/separate ratio per program, and checks that both
-variants emitted the same tokens.
+Builds the same `ar` and fixed-tree programs for both with ``benchmarks/round_cost.py``'s machinery
+and times them interleaved (each repeat calls every program once, the order rotated), so both
+variants see the same machine state. Prints ms per round (median) and the ratio per program, and
+checks that both variants emitted the same tokens.
 
-    python benchmarks/fused_projections.py --model smollm2-135m [--sizes 2,4,8,16] [--repeats 7]
+    python benchmarks/model_variants.py --compare screened --model smollm2-135m [--sizes 2,4,8,16] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+VARIANTS = {"fused": ("fused", "separate"), "screened": ("screened", "full")}  # (new, old) labels
+
+
 def main(argv: list[str] | None = None) -> int:
+    import dataclasses
+
     import numpy as np
 
     import round_cost as rc
@@ -28,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from hsdjax.drafters import ARDrafter
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compare", choices=sorted(VARIANTS), default="fused")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sizes", default="2,8,16", help="fixed tree sizes (nodes, root included)")
     ap.add_argument("--context", type=int, default=200)
@@ -39,8 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     opts = argparse.Namespace(seed=0, repeats=args.repeats, shape="tree")
     benches, programs = {}, {}
+    new_name, old_name = VARIANTS[args.compare]
+    base = load_model(args.model) if args.compare == "screened" else None
+    if base is not None and not base.cfg.screened_head:
+        raise SystemExit(f"{args.model} has no int8-screened head here (8-bit head and AVX512-VNNI needed)")
     for fused in (True, False):
-        model = load_model(args.model, fused_projections=fused)
+        if base is not None:
+            model = base if fused else dataclasses.replace(base, cfg=base.cfg.replace(screened_head=False))
+        else:
+            model = load_model(args.model, fused_projections=fused)
         target = rc.Target(model.name, model.cfg, model.params, False, model, model.fingerprint)
         bench = rc.Bench(target, opts)
         benches[fused] = bench
@@ -64,13 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for n in names:
         fused_ms, sep_ms = (1e3 * statistics.median(times[(f, n)]) for f in (True, False))
-        rows[n] = {"fused_ms": round(fused_ms, 2), "separate_ms": round(sep_ms, 2), "ratio": round(fused_ms / sep_ms, 3)}
+        rows[n] = {f"{new_name}_ms": round(fused_ms, 2), f"{old_name}_ms": round(sep_ms, 2),
+                   "ratio": round(fused_ms / sep_ms, 3)}
     print(f"{args.model}, {args.context} cached tokens in a {args.bucket}-slot cache, medians of {args.repeats}")
-    print("| program | separate ms/round | fused ms/round | fused / separate | vs ar (separate -> fused) |")
+    print(f"| program | {old_name} ms/round | {new_name} ms/round | {new_name} / {old_name} | "
+          f"vs ar ({old_name} -> {new_name}) |")
     print("| --- | --- | --- | --- | --- |")
     for n, r in rows.items():
-        vs = f"{r['separate_ms'] / rows['ar']['separate_ms']:.2f}x -> {r['fused_ms'] / rows['ar']['fused_ms']:.2f}x"
-        print(f"| {n} | {r['separate_ms']:.1f} | {r['fused_ms']:.1f} | {r['ratio']:.3f} | {vs} |")
+        old, new, ar = r[f"{old_name}_ms"], r[f"{new_name}_ms"], rows["ar"]
+        vs = f"{old / ar[f'{old_name}_ms']:.2f}x -> {new / ar[f'{new_name}_ms']:.2f}x"
+        print(f"| {n} | {old:.1f} | {new:.1f} | {r['ratio']:.3f} | {vs} |")
     print(f"same tokens: {'yes' if same else 'NO'}")
     if args.json:
         print(json.dumps({"rows": rows, "same_tokens": same}))
