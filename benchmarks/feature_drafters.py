@@ -22,6 +22,7 @@ the interleaving and the arithmetic are ``hsdjax.bench``'s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -41,6 +42,9 @@ def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None =
     from hsdjax.methods import FEATURE_METHODS, options_for
 
     method, _, policy = spec.partition(":")
+    opts = dict(opts)
+    if opts.pop("head", "screened") == "full":  # the argmax of the full float32 logits, not the int8 screen
+        model = dataclasses.replace(model, cfg=model.cfg.replace(screened_head=False))
     extra = options_for(method, opts) if method in FEATURE_METHODS or label else {}
     if policy:
         extra["policy"] = policy
@@ -51,15 +55,15 @@ def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None =
 
 def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     """``LABEL=METHOD[,KEY=VALUE...]:CHECKPOINT`` -> (label, method, options); CHECKPOINT ``-`` is the
-    shipped drafter (or none: ``sps``, ``pld``); KEY is depth, width, budget, lookup (integers), lookup_lengths
-    (A/B/C: chain length by match length), min_prob, or sps's
-    draft_length (fixed / adaptive)."""
+    shipped drafter (or none: ``ar``, ``sps``, ``pld``); KEY is depth, width, budget, lookup (integers), lookup_lengths
+    (A/B/C: chain length by match length), min_prob, sps's draft_length (fixed / adaptive), or head
+    (``full``: greedy tokens from the full float32 logits instead of the int8 screen, for an A/B)."""
     label, eq, rest = text.partition("=")
     head, colon, path = rest.partition(":")
     method, *pairs = head.split(",")
     usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,lookup=N,lookup_lengths=A/B/C,"
-             "min_prob=P,draft_length=L,ahead=A,policy=P]:CHECKPOINT|-")
-    if not (eq and colon and label and method in ("hsd", "eagle", "sps", "pld") and path):
+             "min_prob=P,draft_length=L,ahead=A,policy=P,head=full]:CHECKPOINT|-")
+    if not (eq and colon and label and method in ("ar", "hsd", "eagle", "sps", "pld") and path):
         raise SystemExit(usage)
     from hsdjax.methods import TREE_SIZES
 
@@ -67,10 +71,10 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     for pair in pairs:  # ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
         if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "lookup_lengths", "min_prob", "draft_length", "ahead",
-                       "policy"):
+                       "policy", "head") or (key == "head" and value not in ("full", "screened")):
             raise SystemExit(usage)
         try:
-            opts[key] = (float(value) if key == "min_prob" else value if key in ("draft_length", "policy")
+            opts[key] = (float(value) if key == "min_prob" else value if key in ("draft_length", "policy", "head")
                          else value.replace("/", ",") if key == "lookup_lengths" else int(value))
         except ValueError:
             raise SystemExit(usage) from None

@@ -8,7 +8,8 @@ and times them interleaved (each repeat calls every program once, the order rota
 variants see the same machine state. Prints ms per round (median) and the ratio per program, and
 checks that both variants emitted the same tokens.
 
-    python benchmarks/model_variants.py --compare screened --model smollm2-135m [--sizes 2,4,8,16] [--repeats 7]
+    python benchmarks/model_variants.py --compare screened --model smollm2-135m [--sizes 2,4,8,16] [--methods pld,hsd]
+        [--repeats 7]
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def tokens_per_round(p) -> float:
+    """Tokens per round of a program's last call."""
+    st0, st = p.state0, p.last
+    return float(st.gen.seq_len[0] - st0.gen.seq_len[0]) / max(int(st.stats.target_passes[0]), 1)
 
 
 VARIANTS = {"fused": ("fused", "separate"), "screened": ("screened", "full")}  # (new, old) labels
@@ -38,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", choices=sorted(VARIANTS), default="fused")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--sizes", default="2,8,16", help="fixed tree sizes (nodes, root included)")
+    ap.add_argument("--methods", default="", help="also real rounds of these shipped methods (pld, hsd, eagle): "
+                    "ms per round, tokens per round in the last column")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--bucket", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=32)
@@ -61,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         benches[fused] = bench
         token = int(target.prompt(1)[0])
         progs = {"ar": bench.program("ar", ARDrafter(), (), args.context, args.bucket, args.rounds)}
-        for n in (int(s) for s in args.sizes.split(",")):
+        for n in (int(s) for s in args.sizes.split(",") if s):
             progs[f"N={n}"] = bench.program(f"N={n}", rc.fixed_tree(n, token, "tree"), (), args.context, args.bucket,
                                             args.rounds)
+        for m in (m for m in args.methods.split(",") if m):  # the shipped drafters' real rounds
+            d, dp = rc.pld_drafter(target) if m == "pld" else rc.feature_drafter(target, m)
+            progs[m] = bench.program(m, d, dp, args.context, args.bucket, args.rounds, d.prompt_layers)
         programs[fused] = progs
     names = list(programs[True])
     for fused in (True, False):  # warm-up
@@ -89,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     for n, r in rows.items():
         old, new, ar = r[f"{old_name}_ms"], r[f"{new_name}_ms"], rows["ar"]
         vs = f"{old / ar[f'{old_name}_ms']:.2f}x -> {new / ar[f'{new_name}_ms']:.2f}x"
+        if not (n == "ar" or n.startswith("N=")):  # a method's rounds: x ar per token, and tokens per round
+            tpr = programs[True][n].info.get("tokens_per_round") or tokens_per_round(programs[True][n])
+            vs = (f"{ar[f'{old_name}_ms'] * tpr / old:.2f}x -> {ar[f'{new_name}_ms'] * tpr / new:.2f}x `ar` per token "
+                  f"({tpr:.2f} tokens per round)")
         print(f"| {n} | {old:.1f} | {new:.1f} | {r['ratio']:.3f} | {vs} |")
     print(f"same tokens: {'yes' if same else 'NO'}")
     if args.json:

@@ -281,8 +281,13 @@ class Transformer(nn.Module):
 
     def greedy_tokens(self, hidden: Float[Array, "... E"]) -> Int[Array, "..."]:
         """``argmax_last(logits(hidden))``; with ``cfg.screened_head`` the same index without most of the
-        head's float32 products (``cpu_matmul.screened_argmax``)."""
-        if self.cfg.screened_head:
+        head's float32 products (``cpu_matmul.screened_argmax``) where that pays: two rows or more (a tree
+        pass, a batch). One row streams the whole head either way, and there the screen's bounds only add
+        work (`ar` 0-5% slower, ``benchmarks/model_variants.py --compare screened``)."""
+        rows = 1
+        for size in hidden.shape[:-1]:
+            rows *= size
+        if self.cfg.screened_head and rows >= 2:
             params = self.variables["params"]
             return screened_argmax(hidden, params["head_panels"], params["head_colabs"])
         return argmax_last(self.logits(hidden))

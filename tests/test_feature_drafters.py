@@ -350,7 +350,8 @@ def test_benchmark_variants_parse_and_refuse_bad_ones():
     assert bench.parse_variant("s=sps,depth=8,draft_length=adaptive:-") == (
         "s", "sps", {"depth": 8, "draft_length": "adaptive"})
     assert bench.parse_variant("p=pld,lookup_lengths=0/1/1/3:-") == ("p", "pld", {"lookup_lengths": "0,1,1,3"})
-    for bad in ("nolabel", "x=ar:-", "x=hsd,depth=two:-", "x=hsd,colour=3:-", "x=hsd:/no/such/file"):
+    assert bench.parse_variant("f=ar,head=full:-") == ("f", "ar", {"head": "full"})  # the full-logits A/B
+    for bad in ("nolabel", "x=rar:-", "x=hsd,depth=two:-", "x=hsd,colour=3:-", "x=hsd:/no/such/file", "x=ar,head=half:-"):
         with pytest.raises(SystemExit):
             bench.parse_variant(bad)
 
