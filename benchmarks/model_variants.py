@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         old, new, ar = r[f"{old_name}_ms"], r[f"{new_name}_ms"], rows["ar"]
         vs = f"{old / ar[f'{old_name}_ms']:.2f}x -> {new / ar[f'{new_name}_ms']:.2f}x"
         if not (n == "ar" or n.startswith("N=")):  # a method's rounds: x ar per token, and tokens per round
-            tpr = programs[True][n].info.get("tokens_per_round") or tokens_per_round(programs[True][n])
+            tpr = tokens_per_round(programs[True][n])
             vs = (f"{ar[f'{old_name}_ms'] * tpr / old:.2f}x -> {ar[f'{new_name}_ms'] * tpr / new:.2f}x `ar` per token "
                   f"({tpr:.2f} tokens per round)")
         print(f"| {n} | {old:.1f} | {new:.1f} | {r['ratio']:.3f} | {vs} |")

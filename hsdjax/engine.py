@@ -416,7 +416,7 @@ def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: Gen
     fwd = model.apply({"params": params}, tree.tokens, tree_positions(tree, gen.cache.length), mask, gen.cache,
                       keep_layers=drafter.prompt_layers)
     keys = step_keys(gen.keys, gen.seq_len)
-    logits = None
+    logits = None  # formed only where they are needed (see node_tokens)
     if drafter.sampled_chain or gen.logprobs is not None:
         logits = model.apply({"params": params}, fwd["hidden"], method=Transformer.logits)
         verify = verify_chain_sampled if drafter.sampled_chain else verify_tree

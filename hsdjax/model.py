@@ -11,6 +11,7 @@ does not grow with depth.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -284,10 +285,7 @@ class Transformer(nn.Module):
         head's float32 products (``cpu_matmul.screened_argmax``) where that pays: two rows or more (a tree
         pass, a batch). One row streams the whole head either way, and there the screen's bounds only add
         work (`ar` 0-5% slower, ``benchmarks/model_variants.py --compare screened``)."""
-        rows = 1
-        for size in hidden.shape[:-1]:
-            rows *= size
-        if self.cfg.screened_head and rows >= 2:
+        if self.cfg.screened_head and math.prod(hidden.shape[:-1]) >= 2:
             params = self.variables["params"]
             return screened_argmax(hidden, params["head_panels"], params["head_colabs"])
         return argmax_last(self.logits(hidden))
