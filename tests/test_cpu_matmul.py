@@ -388,6 +388,34 @@ def test_speculative_decoding_with_the_screened_head_equals_ar(kernel):
     assert run_engine(on, screened, prompts, 16, **sampled) == run_engine(cfg, packed, prompts, 16, **sampled)
 
 
+def test_recording_through_the_kernel_head_equals_a_teacher_forced_pass(kernel):
+    """The self-distillation recorder on a kernel model reads the head panels (the model's own logits):
+    its states and top-k logits equal one forward over the finished sequence."""
+    from hsdjax.api import LoadedModel
+    from hsdjax.train.datagen import flatten_recorded, fused_layer_indices, recording_drafter
+
+    cfg = PANEL_LLAMA.replace(cpu_matmul=True)
+    params = cpu_matmul.pack_params(init_params(PANEL_LLAMA, seed=3), True)
+    params = jax.tree_util.tree_map(lambda a: a * 4.0 if a.ndim >= 2 else a, params)  # answers that vary
+    model = LoadedModel("panel", cfg, params, None, None, "panel-record-test", {})
+    drafter, dparams = recording_drafter(model, 4)
+    assert set(dparams) == {"head_panels"}
+    prompts = [[5, 9, 17, 33, 2], [60, 61, 7]]
+    _, state = run_engine(cfg, params, prompts, 12, drafter=drafter, dparams=dparams, return_state=True)
+    data = flatten_recorded(state, [len(p) for p in prompts])
+    toks = data["tokens"][data["doc"] == 0]
+    t = len(toks)
+    fwd = Transformer(cfg).apply({"params": params}, jnp.asarray(toks)[None], jnp.arange(t)[None],
+                                 causal_mask(jnp.array([t]), t))
+    want = np.stack([np.asarray(fwd["layers"][i][0]) for i in fused_layer_indices(cfg.num_layers)], axis=1)
+    got = data["states"][data["doc"] == 0].view(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(got, want, atol=0.05, rtol=0.02)  # bfloat16 storage
+    logits = Transformer(cfg).apply({"params": params}, fwd["hidden"], method=Transformer.logits)[0]
+    vals, ids = jax.lax.top_k(logits, 4)
+    assert np.array_equal(data["top_ids"][data["doc"] == 0], np.asarray(ids))
+    np.testing.assert_allclose(data["top_logits"][data["doc"] == 0], np.asarray(vals), rtol=1e-3, atol=1e-3)
+
+
 def test_load_setting_is_checked_and_explained(kernel):
     with pytest.raises(HsdjaxError, match="auto, on, off, float32, bf16x, int8x"):
         use_cpu_matmul("fast", PANEL_LLAMA, None)

@@ -42,6 +42,7 @@ from hsdjax.drafters.checkpoint import frozen_from_target
 from hsdjax.errors import HsdjaxError
 from hsdjax.sampling import top_k_blocked
 from hsdjax.jsonl import read_objects
+from hsdjax.kernels.cpu_matmul import panel_matmul
 from hsdjax.sharding import to_host
 
 MANIFEST_FORMAT = 2  # 2: shards list their prompts' stream indices (continuous batching)
@@ -246,7 +247,10 @@ class RecordingDrafter(ARDrafter):
         return self.layers
 
     def _top(self, dparams, hidden):
-        logits = jnp.einsum("...e,ve->...v", hidden, dparams["head"], preferred_element_type=jnp.float32)
+        if "head_panels" in dparams:  # the model's own float32 logits, through its CPU kernel
+            logits = panel_matmul(hidden, dparams["head_panels"])
+        else:
+            logits = jnp.einsum("...e,ve->...v", hidden, dparams["head"], preferred_element_type=jnp.float32)
         vals, ids = top_k_blocked(logits, self.top_k)
         return vals.astype(jnp.float16), ids.astype(jnp.int32)
 
@@ -276,10 +280,14 @@ def recording_generator(model: Any, top_k: int) -> Generator:
 
 
 def recording_drafter(model: Any, top_k: int) -> tuple[RecordingDrafter, dict[str, Array]]:
-    """The recording drafter of a target and its params (the target's full LM head)."""
+    """The recording drafter of a target and its params: the target's full LM head, or, where the model
+    runs its head through the CPU kernel (one device, float32 activations), those panels: the logits the
+    model itself computes, and 20% cheaper than XLA's dot at 64 rows (19 against 23 ms on SmolLM2)."""
     drafter = RecordingDrafter(layers=fused_layer_indices(model.cfg.num_layers), top_k=top_k)
-    dparams = sharding.replicate({"head": frozen_from_target(model)["head_full"]}, getattr(model, "mesh", None))
-    return drafter, dparams
+    mesh = getattr(model, "mesh", None)
+    if model.cfg.cpu_matmul and model.cfg.cpu_matmul_activations == "float32" and mesh is None:
+        return drafter, {"head_panels": model.params["head_panels"]}
+    return drafter, sharding.replicate({"head": frozen_from_target(model)["head_full"]}, mesh)
 
 
 @dataclasses.dataclass
