@@ -81,8 +81,10 @@ def run_continuous(model, data_cfg: dict, prompts_file: str, folder: Path) -> di
     c0, t0 = COMPILE_S[0], time.perf_counter()
     man = generate_data(model, cfg, folder, progress=False)
     wall = time.perf_counter() - t0
+    work = man.get("work", {})
     return {"prompts": man["prompts_done"],
-            **rates(wall, COMPILE_S[0] - c0, man["tokens"], man["answer_tokens"])}
+            **rates(wall, COMPILE_S[0] - c0, man["tokens"], man["answer_tokens"]),
+            **{f"work_{k}": round(v, 1) if isinstance(v, float) else v for k, v in work.items()}}
 
 
 def run_fixed(model, data_cfg: dict, prompts_file: str) -> dict:
@@ -158,6 +160,9 @@ def main() -> None:
                   f"recorded {r['recorded_tok_s']} tok/s ({r['recorded_vs_ar']}x ar); "
                   f"{r['generated_tokens']} generated / {r['recorded_tokens']} recorded tokens in {r['wall_s']} s "
                   f"({r['compile_s']} s of it compiling)")
+            if "work_slot_rounds" in r:
+                print(f"  {'':>10}  decode calls {r['work_decode_s']} s, prefills {r['work_prefill_s']} s (compiles "
+                      f"included), batch occupancy {r['work_occupancy']:.0%} (tokens generated per slot-round)")
 
 
 if __name__ == "__main__":

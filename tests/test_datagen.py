@@ -112,6 +112,9 @@ def test_continuous_batching_equals_the_fixed_batch_recorder(params, tmp_path):
     assert man["complete"] and sorted(got) == list(range(22))
     lengths = {len(v["tokens"]) - len(prompts[i]["prompt"].split()) for i, v in got.items()}
     assert len(lengths) > 3, lengths  # answers end at different rounds: rows really were refilled
+    work = man["work"]  # every generated token counted once (the last of each answer has no record)
+    assert work["generated"] == man["answer_tokens"] + 22 and 0 < work["occupancy"] <= 1
+    assert work["slot_rounds"] >= work["generated"] and work["decode_s"] > 0 and work["prefill_s"] > 0
 
     teacher_forced_check(params, got[5])
     teacher_forced_check(params, got[17])

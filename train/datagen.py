@@ -323,6 +323,24 @@ def row_record(seq: np.ndarray, seq_len: int, prompt_len: int, rec: dict[str, np
             "top_logits": np.asarray(rec["top_logits"][:n]), "top_ids": np.asarray(rec["top_ids"][:n])}
 
 
+@dataclasses.dataclass
+class RecorderWork:
+    """Where a data run's time goes: seconds in decode calls and in prefills (compiles included),
+    slot-rounds decoded (rounds x rows of the running batch, finished rows included) and the tokens
+    generated in them; ``generated / slot_rounds`` is the batch's occupancy."""
+
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    slot_rounds: int = 0
+    generated: int = 0
+
+    def add_to(self, totals: dict[str, Any]) -> dict[str, Any]:
+        """``totals`` (a manifest's ``work``, summed over runs) plus this run's figures."""
+        out = {k: totals.get(k, 0) + v for k, v in dataclasses.asdict(self).items()}
+        out["occupancy"] = round(out["generated"] / max(out["slot_rounds"], 1), 3)
+        return out
+
+
 class ContinuousRecorder:
     """A running batch of ``batch`` rows at one KV-cache size: jobs go in, recorded rows come out.
 
@@ -333,8 +351,9 @@ class ContinuousRecorder:
     the queue is empty, shrinks by 4x whenever the busy rows fit (``batch_sizes``)."""
 
     def __init__(self, gen: Generator, *, batch: int, cache_size: int, max_new: int, temperature: float, seed: int,
-                 refill_every: int):
+                 refill_every: int, work: RecorderWork | None = None):
         self.gen, self.drafter = gen, gen.drafter  # a recording generator (``recording_generator``)
+        self.work = work if work is not None else RecorderWork()
         self.batch, self.cache_size, self.max_new = batch, cache_size, max_new
         self.temperature, self.seed, self.refill_every = temperature, seed, refill_every
         self.state: engine.DecodeState | None = None
@@ -369,7 +388,10 @@ class ContinuousRecorder:
             busy = sum(j is not None for j in self.slots)
             if not busy:
                 break
+            t0 = time.perf_counter()
             self.state, _, _ = self.gen.decode_rows(self.state, self.refill_every)
+            self.work.decode_s += time.perf_counter() - t0
+            self.work.slot_rounds += len(self.slots) * self.refill_every
             self.rounds += self.refill_every
             self.row_rounds += busy * self.refill_every
             self._collect(queue, finish)
@@ -410,9 +432,11 @@ class ContinuousRecorder:
         """Prefill ``jobs`` (similar lengths: the queue is sorted) into a fresh state of len(jobs) rows."""
         base = jax.random.PRNGKey(self.seed)
         keys = jnp.stack([jax.random.fold_in(jax.random.fold_in(base, j.index), j.turn) for j in jobs])
+        t0 = time.perf_counter()
         state, _, _ = self.gen.prefill_rows([j.ids for j in jobs], max_new_tokens=self.max_new,
                                             temperature=self.temperature, keys=keys, batch=len(jobs),
                                             cache_size=self.cache_size)
+        self.work.prefill_s += time.perf_counter() - t0
         return state
 
     def _collect(self, queue: collections.deque[Job], finish: Callable[[Job, dict[str, Any]], Job | None]) -> None:
@@ -428,6 +452,7 @@ class ContinuousRecorder:
         for k, i in enumerate(rows):
             job, self.slots[i] = self.slots[i], None
             raw = {key: v[k] for key, v in got.items()}
+            self.work.generated += int(raw["seq_len"]) - int(raw["prompt_len"])
             nxt = finish(job, raw)
             if nxt is not None:
                 (queue.appendleft if self.fits(nxt) else self.deferred.append)(nxt)
@@ -471,6 +496,8 @@ class ShardSink:
         self.docs: list[dict[str, np.ndarray]] = []
         self.prompts: list[int] = []
         self.sources = set(writer.manifest.get("sources", []))
+        self.work = RecorderWork()  # this process's; the manifest's ``work`` sums every run's
+        self.work_before = dict(writer.manifest.get("work", {}))
         self.buffered = 0
         self.t0 = time.perf_counter()
 
@@ -496,10 +523,12 @@ class ShardSink:
         arrays["doc"] = np.concatenate([np.full(d["tokens"].shape, i, np.int32) for i, d in enumerate(self.docs)])
         man = self.writer.manifest
         man["sources"] = sorted(self.sources)
+        man["work"] = self.work.add_to(self.work_before)
         now = time.perf_counter()
         self.writer.add(arrays, self.prompts, now - self.t0)
         self.t0, self.docs, self.prompts, self.buffered = now, [], [], 0
-        self.bar.set_postfix(prompts=man["prompts_done"], answer_tok=man["answer_tokens"])
+        self.bar.set_postfix(prompts=man["prompts_done"], answer_tok=man["answer_tokens"],
+                             busy=f"{man['work']['occupancy']:.0%}")
 
 
 def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progress: bool = True) -> dict[str, Any]:
@@ -530,7 +559,7 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
         if sink.tokens >= budget:
             break
         jobs = _encode_chunk(tok, todo[start: start + opts["chunk"]], _prompt_limit(model, opts, gen.drafter))
-        _run_chunk(gen, jobs, opts, sink, lambda: sink.tokens < budget)
+        _run_chunk(gen, jobs, opts, sink, lambda: sink.tokens < budget, sink.work)
     sink.flush()
     bar.close()
     man["complete"] = sink.tokens < budget  # every prompt was used before the budget ran out
@@ -557,7 +586,7 @@ def _encode_chunk(tok: Any, rows: list[dict[str, Any]], max_prompt: int) -> list
 
 
 def _run_chunk(gen: Generator, jobs: list[Job], opts: dict[str, Any], sink: ShardSink,
-               admit: Callable[[], bool]) -> None:
+               admit: Callable[[], bool], work: RecorderWork | None = None) -> None:
     """Answer a chunk of jobs: one continuous batch per KV-cache size, smallest first, each fed its
     prompts sorted by length; next turns that outgrow a cache size wait for a larger one."""
     model, drafter, tok = gen.model, gen.drafter, gen.model.tokenizer
@@ -579,7 +608,8 @@ def _run_chunk(gen: Generator, jobs: list[Job], opts: dict[str, Any], sink: Shar
         size = min(pending)
         queue = collections.deque(sorted(pending.pop(size), key=lambda j: (len(j.ids), j.index)))
         rec = ContinuousRecorder(gen, batch=opts["batch"], cache_size=size, max_new=opts["max_new_tokens"],
-                                 temperature=opts["temperature"], seed=opts["seed"], refill_every=opts["refill_every"])
+                                 temperature=opts["temperature"], seed=opts["seed"], refill_every=opts["refill_every"],
+                                 work=work)
         rec.run(queue, admit, finish)
         for job in rec.deferred:
             pending[cache_for(job)].append(job)
