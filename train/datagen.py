@@ -359,8 +359,6 @@ class ContinuousRecorder:
         self.state: engine.DecodeState | None = None
         self.slots: list[Job | None] = [None] * batch
         self.deferred: list[Job] = []  # next turns that need a larger cache
-        self.rounds = 0
-        self.row_rounds = 0  # rounds x busy rows (occupancy = row_rounds / (rounds x batch))
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -385,15 +383,12 @@ class ContinuousRecorder:
             else:
                 queue.clear()
             self._shrink(queue)
-            busy = sum(j is not None for j in self.slots)
-            if not busy:
+            if all(j is None for j in self.slots):
                 break
             t0 = time.perf_counter()
             self.state, _, _ = self.gen.decode_rows(self.state, self.refill_every)
             self.work.decode_s += time.perf_counter() - t0
             self.work.slot_rounds += len(self.slots) * self.refill_every
-            self.rounds += self.refill_every
-            self.row_rounds += busy * self.refill_every
             self._collect(queue, finish)
         self.state = None  # frees the batch's cache
 
