@@ -397,3 +397,49 @@ def test_drafter_on_cpu_panels_equals_plain_matrices(method):
     assert lean_net["layer"]["w_down"].dtype == jnp.bfloat16 and cpu_matmul.is_compressed(lean_head)
     assert wide_head.dtype == wide_net["layer"]["w_down"].dtype == jnp.float32  # float32 target: float32 drafter
     assert np.array_equal(np.asarray(run(lean_net, lean_head)), np.asarray(run(wide_net, wide_head)))
+
+
+def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds():
+    """An ingest with packed matrices reads the context through the C++ attention kernel, after the
+    new keys were written: over a prompt and rounds of 0-5 new inputs per row (rows apart), the cache
+    and the outputs equal a plain-matrix ingest's (reference attention), up to the order of additions;
+    slots past each row's length are never read, whatever they hold."""
+    from hsdjax.drafters.feature import ingest, ingest_attention, init_context, pack_for_cpu
+    from hsdjax.kernels import cpu_matmul
+    from hsdjax.kernels.cpu_attention import tree_attention_cpu
+    from hsdjax.kernels.tree_attention import tree_attention_reference
+
+    if not cpu_matmul.load():
+        pytest.skip("the CPU matmul kernel is not built here")
+    fc = FeatureConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=128, fused=3, method="hsd")
+    net = init_net(fc, seed=1)
+    pnet, _ = pack_for_cpu(net, jnp.zeros((fc.vocab, fc.hidden)))
+    assert ingest_attention("auto", pnet) is tree_attention_cpu
+    assert ingest_attention("auto", net) is tree_attention_reference
+    model = FeatureDrafterNet(fc)
+    rng = np.random.default_rng(0)
+    b, t = 2, 6
+    ctxs = [init_context(fc, b, 128), init_context(fc, b, 128)]
+    prompt = jnp.asarray(rng.standard_normal((b, 9, fc.hidden)), jnp.float32)
+    history = [list(np.asarray(prompt[0, :9])), list(np.asarray(prompt[1, :5]))]  # each row's ingested inputs
+    for i, p in enumerate((net, pnet)):
+        ctxs[i], _ = ingest(model, p, ctxs[i], prompt, jnp.array([9, 5]), empty=True)
+    for counts in ([1, 3], [0, 5], [6, 1], [2, 0], [4, 4]):
+        x = jnp.asarray(rng.standard_normal((b, t, fc.hidden)), jnp.float32)
+        outs = []
+        for i, p in enumerate((net, pnet)):
+            ctxs[i], last = ingest(model, p, ctxs[i], x, jnp.array(counts, jnp.int32))
+            outs.append(np.asarray(last))
+        n = np.asarray(ctxs[0]["len"])
+        assert np.array_equal(n, np.asarray(ctxs[1]["len"]))
+        for row in range(b):
+            history[row] += list(np.asarray(x[row, : counts[row]]))
+            if counts[row]:  # the oracle: one causal pass over the row's whole history from an empty cache
+                whole = jnp.asarray(np.stack(history[row]))[None]
+                _, expect = ingest(model, net, init_context(fc, 1, 128), whole, jnp.array([len(history[row])]),
+                                   empty=True)
+                np.testing.assert_allclose(outs[0][row], np.asarray(expect[0]), rtol=2e-4, atol=2e-4)
+                np.testing.assert_allclose(outs[1][row], outs[0][row], rtol=2e-4, atol=2e-4)
+            for key in ("k", "v"):
+                np.testing.assert_allclose(np.asarray(ctxs[1][key][row, :, : n[row]]),
+                                           np.asarray(ctxs[0][key][row, :, : n[row]]), rtol=2e-4, atol=2e-4)

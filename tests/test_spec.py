@@ -72,6 +72,22 @@ def test_lookup_chains_are_as_long_as_their_match_earns():
         PromptLookupDrafter(lengths=(0, 0))
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.integers(2, 12), max_ngram=st.integers(1, 4))
+def test_one_lookup_continuation_is_the_best_of_several(seed, vocab, max_ngram):
+    """Width 1 takes the first maximum by argmax (XLA's CPU top_k sorts the row); it must be the first
+    of what top_k gives at width 2: the same chain, length and n-gram, also for rows without a match."""
+    from hsdjax.drafters.pld import lookup_continuations
+
+    rng = np.random.RandomState(seed)
+    seq = jnp.asarray(rng.randint(0, vocab, (4, 24)), jnp.int32)
+    length = jnp.asarray(rng.randint(1, 25, 4), jnp.int32)
+    one = lookup_continuations(seq, length, 1, 5, max_ngram, 1, with_ngram=True)
+    two = lookup_continuations(seq, length, 2, 5, max_ngram, 1, with_ngram=True)
+    for a, b in zip(one, two):
+        assert np.array_equal(np.asarray(a)[:, 0], np.asarray(b)[:, 0])
+
+
 def test_lookup_policy_replay_counts_rounds_as_the_engine_would():
     """``benchmarks/lookup_policy.py``'s replay: a chain is cut to what its match earns and accepted up to
     its first wrong token; every round emits one more token than it accepted."""

@@ -35,6 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.drafters.base import Drafter, layer_macs
 from hsdjax.drafters.pld import PromptLookupDrafter, check_lengths, fixed_lengths, lookup_by_match
+from hsdjax.kernels.cpu_attention import tree_attention_cpu
 from hsdjax.kernels.cpu_matmul import PANEL, compress_columns, is_compressed, pack, pack_exact, panel_matmul
 from hsdjax.kernels.tree_attention import REFERENCE_BLOCK_S, attention_fn
 from hsdjax.model import apply_rope, rms_norm, rope_tables
@@ -307,6 +308,17 @@ def init_context(cfg: FeatureConfig, batch: int, size: int) -> dict[str, Array]:
             "len": jnp.zeros((batch,), jnp.int32)}
 
 
+def ingest_attention(setting: str, params: Any):
+    """The attention of an ingest (new inputs over the context cache plus themselves, causally): the C++
+    kernel's (``cpu_attention``) when the drafter's matrices are packed for the CPU kernels (so their
+    library is loaded) and the setting is "auto", else ``attention_fn(setting)``. The kernel reads only
+    the filled slots and needs no loop over the cache in the program, which made XLA copy the whole
+    cache every round (the loop carried it while the ingest then wrote into it)."""
+    if setting == "auto" and params["layer"]["wq"].ndim == 3:
+        return tree_attention_cpu
+    return attention_fn(setting)
+
+
 def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
            count: Int[Array, " B"], attention: str = "auto", empty: bool = False
            ) -> tuple[dict[str, Array], Float[Array, "B E"]]:
@@ -319,9 +331,6 @@ def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q, k, v = net.apply({"params": params}, x, positions, method=FeatureDrafterNet.project)
     causal = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))
-    cache_k, cache_v = (None, None) if empty else (ctx["k"], ctx["v"])
-    attn = attention_fn(attention)(q, cache_k, cache_v, start, k, v, causal)
-    out = net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
     keep = (jnp.arange(t)[None, :] < count[:, None])[:, None, :, None]  # [B, 1, T, 1]
 
     def write(buf, upd):  # the first ``count`` entries of each row at ``start``; the rest keep their old values
@@ -329,8 +338,14 @@ def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[
         new = jnp.where(keep, upd.transpose(0, 2, 1, 3), old)
         return jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(row, u, (0, s, 0)))(buf, new, start)
 
+    # Written first, then read: attention reads only the slots below ``start``, which the write leaves
+    # as they were, and reading the written buffer spares XLA a copy of the old one per call.
+    new_ctx = {"k": write(ctx["k"], k), "v": write(ctx["v"], v), "len": start + count}
+    cache_k, cache_v = (None, None) if empty else (new_ctx["k"], new_ctx["v"])
+    attn = ingest_attention(attention, params)(q, cache_k, cache_v, start, k, v, causal)
+    out = net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
     last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    return {"k": write(ctx["k"], k), "v": write(ctx["v"], v), "len": start + count}, last
+    return new_ctx, last
 
 
 def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],

@@ -85,7 +85,11 @@ def lookup_continuations(seq: Int[Array, "B S"], length: Int[Array, " B"], width
     n_match = jnp.sum(jnp.cumprod(eq.astype(jnp.int32), axis=-1), axis=-1)  # [B, S]
     usable = (ends < length[:, None]) & (n_match >= min_ngram)
     score = jnp.where(usable, n_match * s + ends, -1)
-    top, where = jax.lax.top_k(score, width)  # [B, W]
+    if width == 1:  # the first maximum, as top_k returns it; XLA's CPU top_k sorts the whole row
+        where = jnp.argmax(score, axis=1)[:, None].astype(jnp.int32)
+        top = jnp.take_along_axis(score, where, axis=1)
+    else:
+        top, where = jax.lax.top_k(score, width)  # [B, W]
     follow = where[:, :, None] + jnp.arange(depth)[None, None, :]  # [B, W, D]
     chains = jnp.take_along_axis(seq[:, None, :], follow.clip(0, s - 1), axis=2)
     avail = jnp.clip(length[:, None] - where, 0, depth)  # continuation tokens inside the context
