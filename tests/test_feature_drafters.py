@@ -401,10 +401,12 @@ def test_drafter_on_cpu_panels_equals_plain_matrices(method):
 
 def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds():
     """An ingest with packed matrices reads the context through the C++ attention kernel, after the
-    new keys were written: over a prompt and rounds of 0-5 new inputs per row (rows apart), the cache
-    and the outputs equal a plain-matrix ingest's (reference attention), up to the order of additions;
-    slots past each row's length are never read, whatever they hold."""
-    from hsdjax.drafters.feature import ingest, ingest_attention, init_context, pack_for_cpu
+    new keys were written: over a prompt and rounds of 0-6 new inputs per row (rows apart), the cache
+    and the outputs equal a plain-matrix ingest's (reference attention) and one causal pass over each
+    row's whole history, up to the order of additions; slots past each row's length are never read,
+    whatever they hold. ``ingest_path`` (the rounds' ingest, computed at the smallest tier of 2, 4 or 6
+    rows that holds the round's counts) gives the same as a full-size ingest at every tier."""
+    from hsdjax.drafters.feature import ingest, ingest_attention, ingest_path, init_context, pack_for_cpu
     from hsdjax.kernels import cpu_matmul
     from hsdjax.kernels.cpu_attention import tree_attention_cpu
     from hsdjax.kernels.tree_attention import tree_attention_reference
@@ -419,17 +421,29 @@ def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds():
     model = FeatureDrafterNet(fc)
     rng = np.random.default_rng(0)
     b, t = 2, 6
-    ctxs = [init_context(fc, b, 128), init_context(fc, b, 128)]
+    ctxs = [init_context(fc, b, 128) for _ in range(4)]  # plain, packed; plain and packed through ingest_path
     prompt = jnp.asarray(rng.standard_normal((b, 9, fc.hidden)), jnp.float32)
     history = [list(np.asarray(prompt[0, :9])), list(np.asarray(prompt[1, :5]))]  # each row's ingested inputs
-    for i, p in enumerate((net, pnet)):
+    for i, p in enumerate((net, pnet, net, pnet)):
         ctxs[i], _ = ingest(model, p, ctxs[i], prompt, jnp.array([9, 5]), empty=True)
-    for counts in ([1, 3], [0, 5], [6, 1], [2, 0], [4, 4]):
+    for counts in ([1, 3], [0, 5], [6, 1], [2, 0], [4, 4], [1, 1], [0, 6]):
         x = jnp.asarray(rng.standard_normal((b, t, fc.hidden)), jnp.float32)
+        c = jnp.array(counts, jnp.int32)
         outs = []
         for i, p in enumerate((net, pnet)):
-            ctxs[i], last = ingest(model, p, ctxs[i], x, jnp.array(counts, jnp.int32))
+            ctxs[i], last = ingest(model, p, ctxs[i], x, c)
             outs.append(np.asarray(last))
+        for i, p in ((2, net), (3, pnet)):
+            ctxs[i], last = jax.jit(ingest_path, static_argnums=(0, 3, 5))(model, p, ctxs[i], lambda n: x[:, :n], c, t)
+            for row in range(b):
+                if counts[row]:
+                    np.testing.assert_allclose(np.asarray(last[row]), outs[i - 2][row], rtol=1e-5, atol=1e-5)
+            assert np.array_equal(np.asarray(ctxs[i]["len"]), np.asarray(ctxs[i - 2]["len"]))
+            for row in range(b):
+                for key in ("k", "v"):
+                    filled = slice(0, int(ctxs[i]["len"][row]))
+                    np.testing.assert_allclose(np.asarray(ctxs[i][key][row, :, filled]),
+                                               np.asarray(ctxs[i - 2][key][row, :, filled]), rtol=1e-5, atol=1e-5)
         n = np.asarray(ctxs[0]["len"])
         assert np.array_equal(n, np.asarray(ctxs[1]["len"]))
         for row in range(b):

@@ -19,7 +19,8 @@ from jaxtyping import Array, Float
 
 from hsdjax.drafters.base import DraftCost
 from hsdjax.drafters.dynamic_tree import grow_tree
-from hsdjax.drafters.feature import FeatureDrafter, FeatureDrafterNet, attend_and_finish, init_context, ingest
+from hsdjax.drafters.feature import (FeatureDrafter, FeatureDrafterNet, attend_and_finish, init_context, ingest,
+                                     ingest_path)
 
 
 @struct.dataclass
@@ -99,7 +100,7 @@ class EagleDrafter(FeatureDrafter):
         t = fused.shape[1]
         idx = jnp.clip(gen_before.seq_len[:, None] + jnp.arange(t)[None, :], 0, gen_after.seq.shape[1] - 1)
         next_tokens = jnp.take_along_axis(gen_after.seq, idx, axis=1)  # the token after each path node
-        ctx, last = ingest(self._net(), dparams["net"], state.ctx, self._inputs(dparams, fused, next_tokens), count,
-                           self.attention)
+        inputs = lambda n: self._inputs(dparams, fused[:, :n], next_tokens[:, :n])  # noqa: E731
+        ctx, last = ingest_path(self._net(), dparams["net"], state.ctx, inputs, count, t, self.attention)
         # finished rows ingest nothing (count 0), so their context is unchanged without a copy
         return EagleState(ctx=ctx, root_out=jnp.where(active[:, None], last, state.root_out))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -319,33 +319,85 @@ def ingest_attention(setting: str, params: Any):
     return attention_fn(setting)
 
 
+def _project_inputs(net: FeatureDrafterNet, params: Any, x: Float[Array, "B T W"], start: Int[Array, " B"]):
+    """Queries, keys and values of inputs at positions ``start`` ... (RoPE applied)."""
+    positions = start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]
+    return net.apply({"params": params}, x, positions, method=FeatureDrafterNet.project)
+
+
+def _append(ctx: dict[str, Array], k: Float[Array, "B T K D"], v: Float[Array, "B T K D"],
+            count: Int[Array, " B"]) -> dict[str, Array]:
+    """The context cache with the first ``count`` of each row's new keys/values written at its length
+    (the rest of the T slots keep their old values: past the length, never read)."""
+    start, t = ctx["len"], k.shape[1]
+    keep = (jnp.arange(t)[None, :] < count[:, None])[:, None, :, None]  # [B, 1, T, 1]
+
+    def write(buf, upd):
+        old = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (0, s, 0), (row.shape[0], t, row.shape[2])))(buf, start)
+        new = jnp.where(keep, upd.transpose(0, 2, 1, 3), old)
+        return jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(row, u, (0, s, 0)))(buf, new, start)
+
+    return {"k": write(ctx["k"], k), "v": write(ctx["v"], v), "len": start + count}
+
+
+def _attend_last(net: FeatureDrafterNet, params: Any, cache_k, cache_v, start: Int[Array, " B"], x, q, k, v,
+                 count: Int[Array, " B"], attention: str) -> Float[Array, "B E"]:
+    """The layer's output at each row's last new input: the new inputs attend to the cache below
+    ``start`` (None: no cache) and causally to each other, then the rest of the layer."""
+    b, t = x.shape[:2]
+    causal = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))
+    attn = ingest_attention(attention, params)(q, cache_k, cache_v, start, k, v, causal)
+    out = net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
+    return jnp.take_along_axis(out, jnp.clip(count - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
+
+
 def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
            count: Int[Array, " B"], attention: str = "auto", empty: bool = False
            ) -> tuple[dict[str, Array], Float[Array, "B E"]]:
     """Run the drafter layer over ``count`` new verified inputs per row (positions ``ctx["len"]`` ...),
     append their keys/values to the context cache, and return the output at the last one (the
     prediction for the next position). Rows with ``count`` 0 are unchanged (their output is junk).
-    ``empty``: the cache is known to be empty (the prompt's ingest), so attention skips it."""
-    b, t, _ = x.shape
+    ``empty``: the cache is known to be empty (the prompt's ingest), so attention skips it.
+
+    The keys are written first, then read: attention reads only the slots below the old length, which
+    the write leaves as they were, and reading the written buffer spares XLA a copy of the old one."""
     start = ctx["len"]
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    q, k, v = net.apply({"params": params}, x, positions, method=FeatureDrafterNet.project)
-    causal = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))
-    keep = (jnp.arange(t)[None, :] < count[:, None])[:, None, :, None]  # [B, 1, T, 1]
-
-    def write(buf, upd):  # the first ``count`` entries of each row at ``start``; the rest keep their old values
-        old = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (0, s, 0), (row.shape[0], t, row.shape[2])))(buf, start)
-        new = jnp.where(keep, upd.transpose(0, 2, 1, 3), old)
-        return jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(row, u, (0, s, 0)))(buf, new, start)
-
-    # Written first, then read: attention reads only the slots below ``start``, which the write leaves
-    # as they were, and reading the written buffer spares XLA a copy of the old one per call.
-    new_ctx = {"k": write(ctx["k"], k), "v": write(ctx["v"], v), "len": start + count}
+    q, k, v = _project_inputs(net, params, x, start)
+    new_ctx = _append(ctx, k, v, count)
     cache_k, cache_v = (None, None) if empty else (new_ctx["k"], new_ctx["v"])
-    attn = ingest_attention(attention, params)(q, cache_k, cache_v, start, k, v, causal)
-    out = net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
-    last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    return new_ctx, last
+    return new_ctx, _attend_last(net, params, cache_k, cache_v, start, x, q, k, v, count, attention)
+
+
+INGEST_TIERS = (2, 4)  # path lengths an ingest runs at below the longest (most rounds accept a few tokens)
+
+
+def ingest_path(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], inputs: Callable[[int], Array],
+                count: Int[Array, " B"], size: int, attention: str = "auto") -> tuple[dict[str, Array], Float[Array, "B E"]]:
+    """``ingest`` of a verified path of up to ``size`` positions, computed at the smallest of
+    ``INGEST_TIERS`` (and ``size``) that holds every row's ``count``: ``inputs(n)`` builds the layer
+    inputs [B, n, W] of the path's first n positions, so a round that accepted one token fuses and
+    passes two rows, not ``size``. Only the computation is switched by tier; the cache is written
+    outside the switch and read inside it, so XLA need not copy it."""
+    sizes = sorted({n for n in INGEST_TIERS if n < size} | {size})
+    if len(sizes) == 1:
+        return ingest(net, params, ctx, inputs(size), count, attention)
+    start = ctx["len"]
+    tier = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.max(count).astype(jnp.int32))
+
+    def project(n):  # inputs, queries, keys and values of the first n positions, zero-padded to ``size``
+        x = inputs(n)
+        pad = lambda a: jnp.pad(a, [(0, 0), (0, size - n)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        return tuple(pad(a) for a in (x, *_project_inputs(net, params, x, start)))
+
+    x, q, k, v = jax.lax.switch(tier, [lambda n=n: project(n) for n in sizes])
+    new_ctx = _append(ctx, k, v, count)
+
+    def attend(n, cache_k, cache_v):
+        return _attend_last(net, params, cache_k, cache_v, start, x[:, :n], q[:, :n], k[:, :n], v[:, :n], count,
+                            attention)
+
+    branches = [lambda ck, cv, n=n: attend(n, ck, cv) for n in sizes]
+    return new_ctx, jax.lax.switch(tier, branches, new_ctx["k"], new_ctx["v"])
 
 
 def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],

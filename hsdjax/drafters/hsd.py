@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 from hsdjax.drafters.base import DraftCost
 from hsdjax.drafters.dynamic_tree import grow_tree
 from hsdjax.drafters.feature import (FeatureDrafter, FeatureDrafterNet, attend_and_finish, context_read, init_context,
-                                     ingest)
+                                     ingest, ingest_path)
 
 POLICIES = ("reuse", "refresh", "min1", "min2", "min3")
 
@@ -155,8 +155,8 @@ class HSDDrafter(FeatureDrafter):
         active = ~gen_before.done
         count = jnp.where(active, verdict.n_path, 0)
         fused = path_states.per_position()  # [B, P, F, E]
-        x = net.apply({"params": p}, fused, method=FeatureDrafterNet.fuse_states)
-        ctx, fresh_state = ingest(net, p, state.ctx, x, count, self.attention)
+        inputs = lambda n: net.apply({"params": p}, fused[:, :n], method=FeatureDrafterNet.fuse_states)  # noqa: E731
+        ctx, fresh_state = ingest_path(net, p, state.ctx, inputs, count, fused.shape[1], self.attention)
         # shift the chain by the advance; the fresh ingest output replaces the kept guess for the root
         size = state.chain.shape[1]
         idx = jnp.arange(size)[None, :] + count[:, None]
