@@ -20,6 +20,11 @@ The head is the target's frozen LM head restricted to a draft vocabulary (``voca
 after a learned RMS norm; optionally (``head_delta``) training also learns a correction to those rows,
 stored in the checkpoint and added to them once when the drafter is loaded, so it costs nothing per
 round. Target embeddings are frozen inputs, never drafter parameters.
+
+At inference both drafters keep the layer's keys and values of the verified context in a cache and
+ingest each round's verified path (``ingest_path``): at the smallest path tier that holds the round's
+counts, keys written before the cache is read, through the C++ attention kernel where the drafter's
+matrices are packed for the CPU kernels (docs/benchmarks.md, "A cheaper drafter round").
 """
 
 from __future__ import annotations
