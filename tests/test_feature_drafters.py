@@ -426,15 +426,18 @@ def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds():
     history = [list(np.asarray(prompt[0, :9])), list(np.asarray(prompt[1, :5]))]  # each row's ingested inputs
     for i, p in enumerate((net, pnet, net, pnet)):
         ctxs[i], _ = ingest(model, p, ctxs[i], prompt, jnp.array([9, 5]), empty=True)
+    path_round = jax.jit(lambda p, ctx, x, c: ingest_path(model, p, ctx, lambda n: x[:, :n], c, t))
+    full_round = jax.jit(lambda p, ctx, x, c: ingest(model, p, ctx, x, c))
+    one_pass = jax.jit(lambda x, c: ingest(model, net, init_context(fc, 1, 128), x, c, empty=True)[1])
     for counts in ([1, 3], [0, 5], [6, 1], [2, 0], [4, 4], [1, 1], [0, 6]):
         x = jnp.asarray(rng.standard_normal((b, t, fc.hidden)), jnp.float32)
         c = jnp.array(counts, jnp.int32)
         outs = []
         for i, p in enumerate((net, pnet)):
-            ctxs[i], last = ingest(model, p, ctxs[i], x, c)
+            ctxs[i], last = full_round(p, ctxs[i], x, c)
             outs.append(np.asarray(last))
         for i, p in ((2, net), (3, pnet)):
-            ctxs[i], last = jax.jit(ingest_path, static_argnums=(0, 3, 5))(model, p, ctxs[i], lambda n: x[:, :n], c, t)
+            ctxs[i], last = path_round(p, ctxs[i], x, c)
             for row in range(b):
                 if counts[row]:
                     np.testing.assert_allclose(np.asarray(last[row]), outs[i - 2][row], rtol=1e-5, atol=1e-5)
@@ -449,9 +452,9 @@ def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds():
         for row in range(b):
             history[row] += list(np.asarray(x[row, : counts[row]]))
             if counts[row]:  # the oracle: one causal pass over the row's whole history from an empty cache
-                whole = jnp.asarray(np.stack(history[row]))[None]
-                _, expect = ingest(model, net, init_context(fc, 1, 128), whole, jnp.array([len(history[row])]),
-                                   empty=True)
+                whole = np.zeros((1, 32, fc.hidden), np.float32)  # padded: the pass is causal
+                whole[0, : len(history[row])] = np.stack(history[row])
+                expect = one_pass(jnp.asarray(whole), jnp.array([len(history[row])]))
                 np.testing.assert_allclose(outs[0][row], np.asarray(expect[0]), rtol=2e-4, atol=2e-4)
                 np.testing.assert_allclose(outs[1][row], outs[0][row], rtol=2e-4, atol=2e-4)
             for key in ("k", "v"):
