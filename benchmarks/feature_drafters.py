@@ -62,7 +62,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     head, colon, path = rest.partition(":")
     method, *pairs = head.split(",")
     usage = (f"--variant {text!r}: expected LABEL=METHOD[,depth=D,width=W,budget=B,lookup=N,lookup_lengths=A/B/C,"
-             "min_prob=P,draft_length=L,ahead=A,policy=P,head=full]:CHECKPOINT|-")
+             "min_prob=P,grow_prob=P,draft_length=L,ahead=A,policy=P,head=full]:CHECKPOINT|-")
     if not (eq and colon and label and method in ("ar", "hsd", "eagle", "sps", "pld") and path):
         raise SystemExit(usage)
     from hsdjax.methods import TREE_SIZES
@@ -70,11 +70,12 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
     opts: dict[str, Any] = {}
     for pair in pairs:  # ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
-        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "lookup_lengths", "min_prob", "draft_length", "ahead",
-                       "policy", "head") or (key == "head" and value not in ("full", "screened")):
+        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "lookup_lengths", "min_prob", "grow_prob",
+                       "draft_length", "ahead", "policy", "head") or (key == "head" and value not in ("full", "screened")):
             raise SystemExit(usage)
         try:
-            opts[key] = (float(value) if key == "min_prob" else value if key in ("draft_length", "policy", "head")
+            opts[key] = (float(value) if key in ("min_prob", "grow_prob")
+                         else value if key in ("draft_length", "policy", "head")
                          else value.replace("/", ",") if key == "lookup_lengths" else int(value))
         except ValueError:
             raise SystemExit(usage) from None

@@ -45,6 +45,8 @@ OPTIONS = (  # in the order of the command line's --help
     Option("ahead", "count", "hsd: chain states drafted beyond the tree's depth and kept for later rounds "
                              "(0-4, default 0)"),
     Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)"),
+    Option("grow_prob", "prob", "hsd/eagle: verify nodes beyond the most likely draft only when their cumulative "
+                                "draft probability reaches this (the tree grows where the drafter is sure)"),
     Option("lookup", "count", "hsd/eagle: also verify prompt lookup's continuation of up to this many tokens "
                               "when the context has a match (0: off; default 6)"),
     Option("lookup_ngram", "size", "hsd/eagle: shortest match (1-3 newest tokens, default 2) that grafts a lookup "
@@ -82,10 +84,11 @@ REGISTRY = {m.name: m for m in (
     # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy; a grafted
     # lookup continuation of 6 tokens on 2-token matches took hsd from 1.10x to 1.62x ar on the dev sets
     # (1-token matches 1.53x, 3-token 1.62x, 4 tokens on 2-token matches 1.54x; docs/drafters.md)
-    Method("hsd", ("depth", "width", "budget", "policy", "ahead", "drafter", "min_prob", "lookup", "lookup_ngram",
-                   "lookup_lengths"),
+    Method("hsd", ("depth", "width", "budget", "policy", "ahead", "drafter", "min_prob", "grow_prob", "lookup",
+                   "lookup_ngram", "lookup_lengths"),
            {"depth": 4, "width": 3, "budget": 5, "policy": "min2", "ahead": 0, "lookup": 6, "lookup_ngram": 2}),
-    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "lookup", "lookup_ngram", "lookup_lengths"),
+    Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "grow_prob", "lookup", "lookup_ngram",
+                     "lookup_lengths"),
            {"depth": 4, "width": 3, "budget": 5, "lookup": 6, "lookup_ngram": 2}),
 )}
 METHODS = tuple(REGISTRY)
@@ -249,6 +252,10 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
         if not 0 <= given["min_prob"] < 1:
             raise HsdjaxError(f"--min-prob must be in [0, 1) (got {given['min_prob']})")
         setting["min_prob"] = given["min_prob"]
+    if "grow_prob" in given:
+        if not 0 <= given["grow_prob"] < 1:
+            raise HsdjaxError(f"--grow-prob must be in [0, 1) (got {given['grow_prob']})")
+        setting["grow_prob"] = given["grow_prob"]
     if "lookup" in given:
         if not 0 <= given["lookup"] <= 64:
             raise HsdjaxError(f"--lookup must be between 0 and 64 (got {given['lookup']})")

@@ -230,6 +230,60 @@ def test_tree_keeps_best_nodes_with_their_ancestors():
     assert kept.min() >= dropped.max()
 
 
+def test_grow_prob_keeps_the_best_draft_and_only_sure_nodes_beyond_it():
+    from hsdjax.drafters.dynamic_tree import frontiers_expanded, grow_tree
+
+    v, depth, width, budget = 12, 3, 3, 6
+    rng = np.random.RandomState(1)
+    sharp = jnp.asarray(jax.nn.log_softmax(rng.randn(depth, v) * 4, axis=-1))
+
+    def grow(first, tables, grow_prob):
+        def children(d, tokens, slots, parent_idx, carry):
+            return jnp.broadcast_to(tables[d], (1, width, v)), carry
+
+        return grow_tree(jnp.array([0]), first[None], children, None, jnp.arange(v), depth, width, budget,
+                         grow_prob=grow_prob)
+
+    full, cum_full, _ = grow(sharp[0], sharp, 0.0)
+    for p in (0.05, 0.2, 0.5):
+        tree, cum, _ = grow(sharp[0], sharp, p)
+        valid, c = np.asarray(tree.valid[0]), np.asarray(cum[0])
+        best = 1 + int(np.argmax(c[1:]))
+        assert valid[best]  # the most likely draft is always verified
+        others = valid.copy()
+        others[[0, best]] = False
+        # beyond it: exactly the nodes of the unrestricted tree that are sure enough
+        want = np.asarray(full.valid[0]) & (np.asarray(cum_full[0]) >= np.log(p))
+        want[[0, best]] = False
+        np.testing.assert_array_equal(others, want)
+    # a flat first distribution (no node reaches 0.5): deeper depths are not drafted at all
+    flat = jnp.full((v,), -np.log(v))
+    tree, cum, _ = grow(flat, sharp, 0.5)
+    assert np.asarray(tree.valid[0]).sum() == 2 and int(frontiers_expanded(cum, depth, width, 0.5)) == 0
+    assert np.all(np.asarray(cum[0])[1 + width:] == -np.inf)
+    assert int(frontiers_expanded(cum_full, depth, width)) == depth - 1
+
+
+@pytest.mark.parametrize("method", ["hsd", "eagle"])
+def test_grow_prob_trees_are_lossless_and_verified_at_smaller_tiers(target, method):
+    """With ``grow_prob`` the tree grows past its first draft only where the drafter is sure: outputs
+    stay `ar`'s, some rounds verify fewer nodes than the budget allows, and the drafter's counters
+    count only the depths it drafted."""
+    cfg, params = target
+    prompts = prompts_of(13, cfg.vocab_size, 3)
+    want = run_engine(cfg, params, prompts, 40)
+    drafter, dparams = feature_drafter(cfg, params, method, seed=4, depth=3, width=2, budget=4, lookup=2,
+                                       grow_prob=0.3)
+    assert {2, 3, 4, 5} <= set(drafter.tiers)
+    got, state = run_engine(cfg, params, prompts, 40, drafter=drafter, dparams=dparams, chunks=[9, 40],
+                            return_state=True)
+    assert got == want
+    s = jax.tree_util.tree_map(np.asarray, state.stats)
+    assert np.all(s.verified_nodes < s.target_passes * (1 + 4 + 2))  # not every round at the largest tier
+    if method == "eagle":  # depth passes skipped where no frontier node was sure
+        assert np.all(s.draft_passes <= s.target_passes * 3) and np.any(s.draft_passes < s.target_passes * 3)
+
+
 def test_every_shipped_drafter_is_small_names_a_registered_target_and_its_method():
     """Each file under hsdjax/drafters/checkpoints is at most 32 MB (the repository's limit), is named
     ``<model>-<method>`` after the target and method its metadata records, and that target is registered

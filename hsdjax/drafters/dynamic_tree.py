@@ -6,7 +6,9 @@ most likely (by cumulative log-probability along the path) among the top-K child
 of the previous depth. Finally the ``budget`` most likely nodes stay valid (a node is always at
 least as likely as its parent, and ties go to the earlier slot, so kept nodes keep their ancestors);
 nodes whose cumulative probability is below ``min_prob`` are dropped too, which lets the engine
-verify a smaller tier when the drafter is unsure.
+verify a smaller tier when the drafter is unsure. ``grow_prob`` spares the most likely node: every
+other node needs a cumulative probability of at least ``grow_prob`` (the tree grows past one draft
+only where the drafter is sure), and a depth whose frontier cannot reach it is not drafted at all.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def grow_tree(
     width: int,
     budget: int,
     min_prob: float = 0.0,
+    grow_prob: float = 0.0,
 ) -> tuple[DraftTree, Float[Array, "B N"], object]:
     """Grow a tree. ``children_logp(d, tokens, slots, parent_frontier, carry)`` returns the draft
     log-probabilities of the children of the depth-d frontier (its full-vocabulary ``tokens``, tree
@@ -71,15 +74,42 @@ def grow_tree(
         cum_all = cum_all.at[:, start: start + width].set(cum)
         front_slots = jnp.broadcast_to(slots, (b, width))
         if d < depth:
-            logp, carry = children_logp(d, new_tokens, front_slots, parent_idx, carry)
+            logp, carry = _children_if_sure(children_logp, d, new_tokens, front_slots, parent_idx, carry, cum,
+                                            grow_prob)
     # keep the `budget` best nodes (root always), ties to the earlier slot
     score = jnp.where(jnp.arange(n)[None, :] == 0, jnp.inf, cum_all)
     order = jnp.lexsort((jnp.broadcast_to(jnp.arange(n), (b, n)), -score), axis=-1)
     rank = jnp.argsort(order, axis=1)
     valid = (rank <= budget) & ((cum_all >= jnp.log(jnp.maximum(min_prob, 1e-30))) | (rank == 0))
+    if grow_prob > 0:
+        valid = valid & ((cum_all >= jnp.log(grow_prob)) | (rank <= 1))
     valid = _close_under_ancestors(valid, parents, depth)
     tree = DraftTree(tokens=tokens, parents=jnp.where(valid, parents, -1), depth=depths, valid=valid)
     return tree, cum_all, carry
+
+
+def _children_if_sure(children_logp, d, tokens, slots, parent_idx, carry, cum, grow_prob):
+    """``children_logp``, skipped (children at -inf, carry zeros) when ``grow_prob`` > 0 and no row's
+    frontier reaches it: a child is never more likely than its parent, so none could be kept."""
+    run = lambda c: children_logp(d, tokens, slots, parent_idx, c)  # noqa: E731
+    if grow_prob <= 0:
+        return run(carry)
+    shapes = jax.eval_shape(run, carry)
+
+    def skip(_):
+        logp = jnp.full(shapes[0].shape, -jnp.inf, shapes[0].dtype)
+        return logp, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1])
+
+    return jax.lax.cond(jnp.any(cum >= jnp.log(grow_prob)), run, skip, carry)
+
+
+def frontiers_expanded(cum_all: Float[Array, "B N"], depth: int, width: int, grow_prob: float = 0.0):
+    """How many of depths 1 .. depth-1 had their children drafted (``_children_if_sure``: all of them
+    unless ``grow_prob`` skipped one for the whole batch); a scalar, for the drafter's cost counters."""
+    if grow_prob <= 0 or depth < 2:
+        return jnp.int32(depth - 1)
+    front = cum_all[:, 1: 1 + (depth - 1) * width].reshape(-1, depth - 1, width)
+    return jnp.sum(jnp.any(front >= jnp.log(grow_prob), axis=(0, 2))).astype(jnp.int32)
 
 
 def _close_under_ancestors(valid, parents, depth):

@@ -18,7 +18,7 @@ from flax import struct
 from jaxtyping import Array, Float
 
 from hsdjax.drafters.base import DraftCost
-from hsdjax.drafters.dynamic_tree import grow_tree
+from hsdjax.drafters.dynamic_tree import frontiers_expanded, grow_tree
 from hsdjax.drafters.feature import (FeatureDrafter, FeatureDrafterNet, attend_and_finish, init_context, ingest,
                                      ingest_path)
 
@@ -82,11 +82,12 @@ class EagleDrafter(FeatureDrafter):
             return logp_of(out), (out, lk, lv, mask)
 
         carry = (state.root_out[:, None, :], *local, jnp.zeros((b, 1, m), bool))
-        tree, _, _ = grow_tree(root, first, children, carry, dparams["vocab_ids"], depth, k, self.budget,
-                               self.min_prob)
+        tree, cum, _ = grow_tree(root, first, children, carry, dparams["vocab_ids"], depth, k, self.budget,
+                                 self.min_prob, self.grow_prob)
+        passes = frontiers_expanded(cum, depth, k, self.grow_prob)  # frontier passes drafted (D-1 unless skipped)
         tree = self.graft_lookup(tree, gen)
-        n = jnp.full((b,), depth, jnp.int32)  # D-1 frontier passes + the ingest after verification
-        frontier = (depth - 1) * k  # nodes the layer processes (tree attention over their ancestors too)
+        n = jnp.full((b,), passes + 1, jnp.int32)  # frontier passes + the ingest after verification
+        frontier = passes * k  # nodes the layer processes (tree attention over their ancestors too)
         per_node = (c.state_width + c.hidden) * c.state_width + self._layer_macs(gen.seq_len.astype(jnp.float32) + depth)
         macs = frontier * per_node + (1 + frontier) * self._head_macs()
         cost = DraftCost(passes=n, states=1 + frontier * jnp.ones((b,), jnp.int32), reused=jnp.zeros_like(n),

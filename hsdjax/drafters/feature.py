@@ -438,6 +438,7 @@ class FeatureDrafter(Drafter):
     width: int = 3
     budget: int = 5  # nodes verified besides the root
     min_prob: float = 0.0
+    grow_prob: float = 0.0  # nodes beyond the most likely one need this cumulative probability (0: off)
     attention: str = "auto"  # drafter attention backend (hsdjax.kernels.tree_attention.attention_fn)
     lookup: int = 0  # tokens of a prompt-lookup continuation grafted onto each tree (0: none)
     lookup_ngram: int = 2  # shortest n-gram match that proposes a continuation (1 grafts weak guesses too often)
@@ -457,6 +458,8 @@ class FeatureDrafter(Drafter):
             sizes = {1, min(3, 1 + self.budget), 1 + self.budget // 2} if self.min_prob > 0 else set()
             sizes |= {1 + self.budget}  # rounds without a lookup match
             sizes |= {1 + self.budget + n for n in lengths}  # a graft as long as its match earns
+            if self.grow_prob > 0:  # 1 .. budget drafts, with or without each graft length
+                sizes |= {1 + k + n for k in range(1, self.budget + 1) for n in (0, *lengths)}
             object.__setattr__(self, "tiers", tuple(sorted(sizes)))
 
     @property

@@ -28,7 +28,7 @@ from flax import struct
 from jaxtyping import Array, Float, Int
 
 from hsdjax.drafters.base import DraftCost
-from hsdjax.drafters.dynamic_tree import grow_tree
+from hsdjax.drafters.dynamic_tree import frontiers_expanded, grow_tree
 from hsdjax.drafters.feature import (FeatureDrafter, FeatureDrafterNet, attend_and_finish, context_read, init_context,
                                      ingest, ingest_path)
 
@@ -108,7 +108,6 @@ class HSDDrafter(FeatureDrafter):
     def propose(self, dparams, state: HSDState, gen):
         net, p = self._net(), dparams["net"]
         active = ~gen.done
-        st, steps = self._extend(dparams, state, active)
         root = gen.last_token()
         prev = jnp.take_along_axis(gen.seq, jnp.maximum(gen.seq_len - 2, 0)[:, None], axis=1)[:, 0]
         embed, head = dparams["embed"], dparams["head"]
@@ -119,25 +118,31 @@ class HSDDrafter(FeatureDrafter):
             s = jnp.broadcast_to(state_vec[:, None, :], (*tokens.shape, state_vec.shape[-1]))
             context = None
             if self.cfg.injection == "attn":  # the tokens sit at position ctx.len + d (chain[d]'s)
-                pos = jnp.broadcast_to((st.ctx["len"] + d)[:, None], tokens.shape)
+                pos = jnp.broadcast_to((state.ctx["len"] + d)[:, None], tokens.shape)
                 q = net.apply({"params": p}, s, embs, pos, method=FeatureDrafterNet.inject_query)
-                context = context_read(q, st.ctx, self.attention)
+                context = context_read(q, state.ctx, self.attention)
             g = net.apply({"params": p}, s, embs, context, method=FeatureDrafterNet.inject)
             return jax.nn.log_softmax(net.apply({"params": p}, g, head, method=FeatureDrafterNet.logits), axis=-1)
 
-        first = inject_logp(st.chain[:, 0], root[:, None], prev[:, None], 0)[:, 0]
+        first = inject_logp(state.chain[:, 0], root[:, None], prev[:, None], 0)[:, 0]
+        grow = active
+        if self.grow_prob > 0:  # deeper chain states only for rows sure enough of a first draft to go on
+            grow = grow & (jnp.max(first, axis=-1) >= jnp.log(self.grow_prob))  # a child is never likelier
+        st, steps = self._extend(dparams, state, grow)
 
         def children(d, tokens, slots, parent_idx, prev_tokens):
             parent_tokens = jnp.take_along_axis(prev_tokens, parent_idx, axis=1)
-            return inject_logp(st.chain[:, d], tokens, parent_tokens, d), tokens
+            logp = inject_logp(st.chain[:, d], tokens, parent_tokens, d)
+            return jnp.where((st.n_chain > d)[:, None, None], logp, -jnp.inf), tokens  # rows not extended
 
-        tree, _, _ = grow_tree(root, first, children, root[:, None], dparams["vocab_ids"], self.depth,
-                               self.width, self.budget, self.min_prob)
+        tree, cum, _ = grow_tree(root, first, children, root[:, None], dparams["vocab_ids"], self.depth,
+                                 self.width, self.budget, self.min_prob, self.grow_prob)
         used_depths = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain states the tree used
         reused = jnp.sum((jnp.arange(self.depth)[None, :] < used_depths[:, None]) & (st.fresh[:, : self.depth] == 0),
                          axis=1)
         tree = self.graft_lookup(tree, gen)
-        heads = 1 + (self.depth - 1) * self.width  # g + head for the root and each depth's frontier
+        # g + head for the root and each depth's frontier that was drafted
+        heads = 1 + frontiers_expanded(cum, self.depth, self.width, self.grow_prob) * self.width
         macs = (steps * self._layer_macs(gen.seq_len.astype(jnp.float32) + self.depth + self.ahead)
                 + heads * (self._inject_macs(gen.seq_len.astype(jnp.float32)) + self._head_macs()))
         # +1 pass: the ingest after verification
