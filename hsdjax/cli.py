@@ -69,10 +69,12 @@ def _add_model_args(p: argparse.ArgumentParser, default_method: str = "ar") -> N
     _add_method_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
-    p.add_argument("--cpu-matmul", choices=("auto", "on", "off", "float32", "bf16x", "int8x"), default=None,
+    p.add_argument("--cpu-matmul", choices=("auto", "on", "off", "float32", "bf16x", "int8x", "int16x"),
+                   default=None,
                    help="hsdjax's CPU matmul kernel (auto: when built with `hsdjax cpu-matmul build`; bf16x: "
                         "activations rounded to bfloat16, faster tree passes, not float32 outputs; int8x: "
-                        "activations quantized to int8 (VNNI), faster still, coarser; default: $HSDJAX_CPU_MATMUL or auto)")
+                        "activations quantized to int8 (VNNI), faster still, coarser; int16x: to int16 (VNNI), "
+                        "near float32; default: $HSDJAX_CPU_MATMUL or auto)")
     p.add_argument("--kv-cache", choices=("float32", "float16", "bfloat16"), default=None, dest="cache_dtype",
                    help="KV cache storage (default: the compute dtype; float16 halves what a long-context "
                         "step reads, and every method still gives `ar`'s output)")

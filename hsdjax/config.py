@@ -47,7 +47,7 @@ class ModelConfig:
     # weights packed in panels, head packed as ``head_panels``. Set by ``load_model`` on CPU when built.
     cpu_matmul: bool = False
     # "bfloat16": the compressed 4-bit matmuls round their inputs to bfloat16 (``load_model(cpu_matmul="bf16x")``);
-    # "int8": they quantize them to int8 per 32 k (``cpu_matmul="int8x"``)
+    # "int8": they quantize them to int8 per 32 k (``cpu_matmul="int8x"``); "int16": to int16 (``"int16x"``)
     cpu_matmul_activations: str = "float32"
     # Greedy tokens of the LM head through an int8 screen (``cpu_matmul.screened_argmax``: the same index
     # as the float32 logits' argmax, most of the head's float32 products skipped); the params then carry

@@ -85,8 +85,8 @@ def default_layer_loop() -> str:
     return "unrolled" if jax.default_backend() == "cpu" else "scan"
 
 
-CPU_MATMUL_SETTINGS = ("auto", "on", "off", "float32", "bf16x", "int8x")
-ACTIVATIONS = {"bf16x": "bfloat16", "int8x": "int8"}  # opt-in modes: how the compressed products see x
+CPU_MATMUL_SETTINGS = ("auto", "on", "off", "float32", "bf16x", "int8x", "int16x")
+ACTIVATIONS = {"bf16x": "bfloat16", "int8x": "int8", "int16x": "int16"}  # opt-in modes: how the compressed products see x
 
 
 def cpu_matmul_setting(setting: str | None) -> str:
@@ -111,7 +111,9 @@ def use_cpu_matmul(setting: str | None, cfg: ModelConfig, mesh: Any) -> bool:
         why = "this CPU has no AVX512-BF16 / AVX512-VBMI (the bfloat16-activation products)"
     elif why is None and setting == "int8x" and not cpu_matmul_kernel.has_int8x():
         why = "this CPU has no AVX512-VNNI / AVX512-VBMI (the int8-activation products)"
-    if why and setting in ("on", "float32", "bf16x", "int8x"):
+    elif why is None and setting == "int16x" and not cpu_matmul_kernel.has_int16x():
+        why = "this CPU has no AVX512-VNNI / AVX512-BW (the int16-activation products)"
+    if why and setting in ("on", "float32", "bf16x", "int8x", "int16x"):
         raise HsdjaxError(f"cpu_matmul={setting}, but {why}")
     return why is None
 
@@ -191,8 +193,9 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     with activations rounded to bfloat16 (AVX512-BF16 dot products: tree passes about half the
     arithmetic; not the float32 model's outputs, but every method computes the same, so speculative
     output still equals `ar`'s). ``int8x``: the same with activations quantized to int8 per 32 k
-    (AVX512-VNNI, four k per instruction; coarser than ``bf16x``). Default: ``$HSDJAX_CPU_MATMUL``, else
-    ``auto``.
+    (AVX512-VNNI, four k per instruction; coarser than ``bf16x``). ``int16x``: quantized to int16 per
+    32 k (VNNI, two k per instruction; within ~1e-5 of the float32 products). Default:
+    ``$HSDJAX_CPU_MATMUL``, else ``auto``.
 
     ``screened_head``: greedy tokens of an 8-bit compressed LM head (SmolLM2's Q8_0) through an int8
     screen (``cpu_matmul.screened_argmax``): the same token as the float32 logits' argmax, computing

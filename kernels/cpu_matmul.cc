@@ -448,6 +448,105 @@ void QuantizeActivations(const float* x, int64_t m, int64_t k, uint32_t* xq, flo
   }
 }
 
+// Two k rows of 16 bytes interleaved byte by byte: lane 2c + r holds row r's byte c (any AVX-512 build).
+#if defined(__AVX512F__)
+inline __m256i PairBytes16Any(const uint8_t* r0, const uint8_t* r1) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1));
+  return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+}
+#endif
+
+// ---- int16 activations (opt-in, `cpu_matmul="int16x"`): 4-bit compressed panels ----------------------
+// Each row of x is quantized per 32 k (one block): q = round(x * 32767 / max|x|) in int16, scale
+// max|x| / 32767: 15 bits per block against int8x's 7, so products stay within ~1e-5 of float32's.
+// AVX512-VNNI's vpdpwssd multiplies two k of codes (0..15, widened to int16) with two k of q and adds
+// both products per lane in int32 (exact: 32 x 15 x 32767 < 2^31); per block y += (d * scale) *
+// sum(q * code) + offset * sum(q * scale), as int8x. 8-bit blocks (a Q8_0 head) keep the float32 chains,
+// so the greedy head is float32's and goes through the int8 screen as in the default mode. Twice the multiply-adds per instruction of the
+// float32 chains; every output one fixed sequence whatever M is (tree passes equal `ar` steps bit for bit).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHaveInt16x = true;
+
+// A k pair of a 4-bit block's codes as int16 pairs per lane: columns 0-15 (w0) and 16-31 (w1).
+inline void PairCodes16(const uint8_t* rows, __m512i& w0, __m512i& w1) {
+  const __m256i both = PairBytes16Any(rows, rows + 16);  // low nibbles: columns 0-15, high: 16-31
+  const __m256i nib = _mm256_set1_epi8(15);
+  w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(both, nib));
+  w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(both, 4), nib));
+}
+
+template <int MT>
+void WTile(const uint32_t* xw, const float* sq, const float* xs, int64_t k_len, const uint8_t* panel, float* y,
+           int64_t n) {
+  using F = Format<4>;
+  const int64_t pairs_per_row = k_len / 2, x_blocks = k_len / 32;
+  __m512 a0[MT], a1[MT];
+  for (int m = 0; m < MT; ++m) {
+    a0[m] = _mm512_setzero_ps();
+    a1[m] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < k_len / F::kRows; ++b) {
+    const uint8_t* blk = panel + b * F::kBlockBytes;
+    __m512i i0[MT], i1[MT];
+    for (int m = 0; m < MT; ++m) {
+      i0[m] = _mm512_setzero_si512();
+      i1[m] = _mm512_setzero_si512();
+    }
+    for (int64_t kp = 0; kp < F::kRows / 2; ++kp) {
+      __m512i w0, w1;
+      PairCodes16(blk + F::kHeader + 2 * kp * F::kRowBytes, w0, w1);
+      const int64_t pair = b * (F::kRows / 2) + kp;
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xw[m * pairs_per_row + pair]));
+        i0[m] = _mm512_dpwssd_epi32(i0[m], w0, xv);
+        i1[m] = _mm512_dpwssd_epi32(i1[m], w1, xv);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+    const __m512 d1 = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
+    for (int m = 0; m < MT; ++m) {
+      const __m512 scale = _mm512_set1_ps(sq[m * x_blocks + b]), sx = _mm512_set1_ps(xs[m * x_blocks + b]);
+      a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(blk + 128)), sx, a0[m]);
+      a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(blk + 192)), sx, a1[m]);
+      a0[m] = _mm512_fmadd_ps(_mm512_mul_ps(d0, scale), _mm512_cvtepi32_ps(i0[m]), a0[m]);
+      a1[m] = _mm512_fmadd_ps(_mm512_mul_ps(d1, scale), _mm512_cvtepi32_ps(i1[m]), a1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm512_storeu_ps(y + m * n, a0[m]);
+    _mm512_storeu_ps(y + m * n + 16, a1[m]);
+  }
+}
+#else
+constexpr bool kHaveInt16x = false;
+template <int MT>
+void WTile(const uint32_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
+#endif
+
+// Rows of x [m, k] (k a multiple of 32) quantized to int16 per 32 k: q [m, k] (two per word), the block's
+// scale sq [m, k/32] (max|x| / 32767) and the sum of the quantized values times the scale xs [m, k/32].
+void QuantizeActivations16(const float* x, int64_t m, int64_t k, uint32_t* xw, float* sq, float* xs) {
+  const int64_t blocks = k / 32;
+  for (int64_t r = 0; r < m; ++r) {
+    int16_t* q = reinterpret_cast<int16_t*>(xw + r * (k / 2));
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k + 32 * b;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+        q[32 * b + i] = static_cast<int16_t>(v);
+        sum += v;
+      }
+      sq[r * blocks + b] = scale;
+      xs[r * blocks + b] = static_cast<float>(sum) * scale;
+    }
+  }
+}
+
 struct Work {
   const float* x;
   int64_t m, k;
@@ -460,7 +559,8 @@ struct Work {
   const uint32_t* xb = nullptr;  // bfloat16 activations (compressed panels only): x rounded, k pairs per row
   const float* xs = nullptr;     // and their sums per 32 k (the offset term of 4-bit blocks)
   const uint32_t* xq = nullptr;  // int8 activations (compressed panels only): four k per word
-  const float* sq = nullptr;     // and their scale per 32 k
+  const float* sq = nullptr;     // and their scale per 32 k (int8x and int16x)
+  const uint32_t* xw = nullptr;  // int16 activations (compressed panels only): two k per word
   const float* colabs = nullptr;  // screened argmax: sum |w| per 32 k and column [N/32, K/32, 32]
   float* lo_max = nullptr;        // and per row and panel the largest lower bound [M, N/32]
   float* hi_max = nullptr;        // and upper bound (y gets each column's upper bound)
@@ -491,6 +591,25 @@ void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) 
   float* ys = w.y + m0 * w.n;
   const uint32_t* xbr = w.xb ? w.xb + m0 * (w.k / 2) : nullptr;
   const float* xsr = w.xs ? w.xs + m0 * (w.k / 32) : nullptr;
+  if (w.xw && bits == 4) {  // int16x: at most 4 rows per tile, as int8x
+    const uint32_t* xwr = w.xw + m0 * (w.k / 2);
+    const float* sqr = w.sq + m0 * (w.k / 32);
+    const uint8_t* pq = static_cast<const uint8_t*>(panel);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t at = r0 * (w.k / 2), bt = r0 * (w.k / 32);
+      float* yr = ys + r0 * w.n;
+      const int rest = static_cast<int>(std::min<int64_t>(4, rows - r0));
+#define HSDJAX_WTILE(MT) WTile<MT>(xwr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n)
+      switch (rest) {
+        case 4: HSDJAX_WTILE(4); break;
+        case 3: HSDJAX_WTILE(3); break;
+        case 2: HSDJAX_WTILE(2); break;
+        default: HSDJAX_WTILE(1); break;
+      }
+#undef HSDJAX_WTILE
+    }
+    return;
+  }
   if (w.xq && (bits == 4 || bits == 8)) {  // at most 4 rows per tile (8 would spill); rows are independent
     const uint32_t* xqr = w.xq + m0 * (w.k / 4);
     const float* sqr = w.sq + m0 * (w.k / 32);
@@ -587,7 +706,7 @@ void Bounds(const Work& w, int64_t p) {
 // over k.
 void Panels(const Work& w) {
   std::unique_ptr<float[]> decoded;
-  if (w.bits != 32 && w.m > 8 && !w.xb && !w.xq) decoded.reset(new float[w.k * kPanel]);  // bf16x / int8x 4-bit: per 8 rows
+  if (w.bits != 32 && w.m > 8 && !w.xb && !w.xq && !w.xw) decoded.reset(new float[w.k * kPanel]);  // bf16x / int8x 4-bit: per 8 rows
   for (int64_t p = w.p0; p < w.p1; ++p) {
     const void* panel = static_cast<const uint8_t*>(w.wp) + p * w.panel_bytes;
     int bits = w.bits;
@@ -668,7 +787,7 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return WidePanelMatmul(pool, x, wb, y, 16, "hsdjax bfloat16 matmul: expects x [M, K] and panels [N/32, K, 32]");
 }
 
-enum class Activations { kFloat32, kBf16, kInt8 };
+enum class Activations { kFloat32, kBf16, kInt8, kInt16 };
 
 ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& wq,
                       ffi::ResultBuffer<ffi::F32>& y, Activations act) {
@@ -689,7 +808,7 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
   }
   Work all{x.typed_data(), m, k, wq.typed_data(), wd[1] * block, bits, 0, panels, y->typed_data(),
            panels * kPanel};
-  std::unique_ptr<uint32_t[]> xb;
+  std::unique_ptr<uint32_t[]> xb, xw;
   std::unique_ptr<float[]> xs, sq;
   if (act == Activations::kInt8 && k % 32 == 0) {  // x is quantized per 32 k (else: the float32 chains)
     if (!kHaveInt8x) {
@@ -700,6 +819,18 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
     xs.reset(new float[m * (k / 32)]);
     QuantizeActivations(x.typed_data(), m, k, xb.get(), sq.get(), xs.get());
     all.xq = xb.get();
+    all.sq = sq.get();
+    all.xs = xs.get();
+  }
+  if (act == Activations::kInt16 && bits == 4) {  // x is quantized per 32 k (8-bit blocks: the float32 chains)
+    if (!kHaveInt16x) {
+      return ffi::Error::InvalidArgument("hsdjax int16x matmul: this build has no AVX512-VNNI / AVX512-BW");
+    }
+    xw.reset(new uint32_t[m * (k / 2)]);
+    sq.reset(new float[m * (k / 32)]);
+    xs.reset(new float[m * (k / 32)]);
+    QuantizeActivations16(x.typed_data(), m, k, xw.get(), sq.get(), xs.get());
+    all.xw = xw.get();
     all.sq = sq.get();
     all.xs = xs.get();
   }
@@ -731,6 +862,11 @@ ffi::Error CompressedMatmulBf16x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
 ffi::Error CompressedMatmulInt8x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
                                  ffi::ResultBuffer<ffi::F32> y) {
   return Compressed(pool, x, wq, y, Activations::kInt8);
+}
+
+ffi::Error CompressedMatmulInt16x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                                  ffi::ResultBuffer<ffi::F32> y) {
+  return Compressed(pool, x, wq, y, Activations::kInt16);
 }
 
 // The first index of the largest of 32 x n_panels values (argmax: the first NaN wins if there is one).
@@ -867,6 +1003,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulInt8x, CompressedMatmulInt8x
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulInt16x, CompressedMatmulInt16x,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxScreenedArgmax, ScreenedArgmax,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -877,6 +1020,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxScreenedArgmax, ScreenedArgmax,
 
 // Whether this build has the int8-activation products (AVX512-VNNI and AVX512-VBMI).
 extern "C" int HsdjaxHasInt8x() { return kHaveInt8x ? 1 : 0; }
+
+// Whether this build has the int16-activation products (AVX512-VNNI and AVX512-BW).
+extern "C" int HsdjaxHasInt16x() { return kHaveInt16x ? 1 : 0; }
 
 // Whether this build has the bfloat16-activation products (AVX512-BF16 and AVX512-VBMI).
 extern "C" int HsdjaxHasBf16x() { return kHaveBf16x ? 1 : 0; }

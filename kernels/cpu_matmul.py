@@ -47,6 +47,7 @@ TARGET = "hsdjax_panel_matmul"
 COMPRESSED_TARGET = "hsdjax_compressed_matmul"
 COMPRESSED_BF16X_TARGET = "hsdjax_compressed_matmul_bf16x"  # activations rounded to bfloat16 (opt-in)
 COMPRESSED_INT8X_TARGET = "hsdjax_compressed_matmul_int8x"  # activations quantized to int8 per 32 k (opt-in)
+COMPRESSED_INT16X_TARGET = "hsdjax_compressed_matmul_int16x"  # activations quantized to int16 per 32 k (opt-in)
 SCREENED_ARGMAX_TARGET = "hsdjax_screened_argmax"  # exact greedy tokens of an 8-bit head through an int8 screen
 BF16_TARGET = "hsdjax_bf16_matmul"  # bfloat16 panels (a drafter's trained matrices: exact, half the bytes)
 ATTENTION_TARGET = "hsdjax_cache_attention"
@@ -109,6 +110,8 @@ def load() -> bool:
                                     platform="cpu")
         jax.ffi.register_ffi_target(COMPRESSED_INT8X_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmulInt8x),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(COMPRESSED_INT16X_TARGET, jax.ffi.pycapsule(lib.HsdjaxCompressedMatmulInt16x),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(SCREENED_ARGMAX_TARGET, jax.ffi.pycapsule(lib.HsdjaxScreenedArgmax),
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxCacheAttention), platform="cpu")
@@ -131,6 +134,12 @@ def has_int8x() -> bool:
     """Whether the loaded kernel has the int8-activation products (built on a CPU with AVX512-VNNI and
     AVX512-VBMI)."""
     return bool(load() and _state["loaded"].HsdjaxHasInt8x())
+
+
+def has_int16x() -> bool:
+    """Whether the loaded kernel has the int16-activation products (built on a CPU with AVX512-VNNI and
+    AVX512-BW)."""
+    return bool(load() and _state["loaded"].HsdjaxHasInt16x())
 
 
 def unsupported(cfg: Any) -> str | None:
@@ -368,24 +377,28 @@ def is_bf16(wp: Any) -> bool:
 # ------------------------------------------------------------------------------------------ the product
 
 
-def quantize_activations(x: Float[Array, "... K"]) -> Float[Array, "... K"]:
-    """x as the int8x products see it: per 32 k, round(x * 127 / max|x|) (half to even) times max|x| / 127."""
+def quantize_activations(x: Float[Array, "... K"], levels: int = 127) -> Float[Array, "... K"]:
+    """x as the int8x products see it: per 32 k, round(x * 127 / max|x|) (half to even) times max|x| / 127;
+    ``levels=32767``: as the int16x products see it."""
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    inv = jnp.where(amax > 0, jnp.float32(127) / jnp.where(amax > 0, amax, 1), 0)
+    inv = jnp.where(amax > 0, jnp.float32(levels) / jnp.where(amax > 0, amax, 1), 0)
     q = jnp.round(blocks * inv)
-    return (q * (amax / jnp.float32(127))).reshape(x.shape)
+    return (q * (amax / jnp.float32(levels))).reshape(x.shape)
 
 
 def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str = "float32") -> Float[Array, "... N"]:
     """``x @ unpack(wp)`` in jnp (the reference the kernel is tested against); ``activations="bfloat16"``
     with 4-bit panels: x rounded to bfloat16 first (what the bf16x products compute, up to float32
     rounding; 8-bit panels keep the float32 products); ``"int8"``: x quantized per 32 k
-    (``quantize_activations``, what the int8x products compute for 4-bit and 8-bit panels alike)."""
+    (``quantize_activations``, what the int8x products compute for 4-bit and 8-bit panels alike);
+    ``"int16"``: 4-bit panels, x quantized to int16 per 32 k (int16x; 8-bit panels keep the float32 products)."""
     if activations == "bfloat16" and is_compressed(wp) and compressed_bits(wp) == 4:
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     if activations == "int8" and is_compressed(wp) and x.shape[-1] % 32 == 0:
         x = quantize_activations(x)
+    if activations == "int16" and is_compressed(wp) and compressed_bits(wp) == 4:
+        x = quantize_activations(x, 32767)
     if is_compressed(wp):
         wp = decompress(wp)
     wp = wp.astype(jnp.float32)  # bfloat16 panels: exact
@@ -401,7 +414,8 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
     arithmetic (tree passes), not the float32 product; still the same for every M. Other panels keep
     the float32 products. ``"int8"`` (``cpu_matmul="int8x"``): x quantized to int8 per 32 k and
     multiplied with AVX512-VNNI (four k per instruction) by 4-bit and 8-bit panels (K a multiple of 32),
-    coarser still, same for every M too."""
+    coarser still, same for every M too. ``"int16"`` (``cpu_matmul="int16x"``, 4-bit panels): x quantized
+    to int16 per 32 k, two k per VNNI instruction, within ~1e-5 of the float32 products, same for every M."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:
@@ -409,8 +423,8 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
     n = wp.shape[0] * PANEL
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     if is_compressed(wp):
-        name = {"bfloat16": COMPRESSED_BF16X_TARGET, "int8": COMPRESSED_INT8X_TARGET}.get(activations,
-                                                                                          COMPRESSED_TARGET)
+        name = {"bfloat16": COMPRESSED_BF16X_TARGET, "int8": COMPRESSED_INT8X_TARGET,
+                "int16": COMPRESSED_INT16X_TARGET}.get(activations, COMPRESSED_TARGET)
         y = jax.ffi.ffi_call(name, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
     elif is_bf16(wp):
         y = jax.ffi.ffi_call(BF16_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
@@ -438,7 +452,8 @@ def column_abs_sums(wq: Any) -> np.ndarray:
 
 def can_screen(wq: Any, activations: str = "float32") -> bool:
     """Whether ``screened_argmax`` applies: 8-bit compressed panels whose logits are the float32 chains
-    (not ``int8x``, where the int8 products are the model), K a multiple of 32, a VNNI build."""
+    (not ``int8x``, where the int8 products are the model; ``int16x`` keeps 8-bit panels in float32), K a
+    multiple of 32, a VNNI build."""
     return (activations != "int8" and is_compressed(wq) and compressed_bits(wq) == 8
             and wq.shape[-2] * BLOCK_ROWS[8] % 32 == 0 and has_int8x())
 

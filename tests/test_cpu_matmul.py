@@ -199,6 +199,38 @@ def test_int8x_products_quantize_only_the_activations_and_are_the_same_for_every
         int8x_products_check(x, block_quantized(rng, 576, n, bits))
 
 
+def test_int16x_products_quantize_only_the_activations_and_are_the_same_for_every_row_count(kernel):
+    """``cpu_matmul="int16x"``: x quantized to int16 per 32 k (scale max|x| / 32767), products summed
+    exactly in int32, the block's scale and offset applied once: the product of the quantized x with the
+    exact weight up to float32 rounding, within ~1e-5 of the float32 product; every row bitwise the same
+    alone or in a batch; rows of zeros handled; 8-bit panels keep the float32 products."""
+    if not cpu_matmul.has_int16x():
+        pytest.skip("this CPU has no AVX512-VNNI / AVX512-BW")
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((19, 576)).astype(np.float32)
+    x[3] = 0.0
+    x[4, :32] *= 1e3
+    x = jnp.asarray(x)
+    w8 = cpu_matmul.compress_weight(jnp.asarray(block_quantized(rng, 576, 64, 8)))
+    assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x, w8, activations="int16")),
+                          np.asarray(cpu_matmul.panel_matmul(x, w8)))
+    w = block_quantized(rng, 576, 320, 4)
+    wq = cpu_matmul.compress_weight(jnp.asarray(w))
+    whole = np.asarray(cpu_matmul.panel_matmul(x, wq, activations="int16"))
+    quantized = np.asarray(cpu_matmul.quantize_activations(x, 32767), np.float64)
+    want = quantized @ w.astype(np.float64)
+    np.testing.assert_allclose(whole, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    exact = np.asarray(x, np.float64) @ w.astype(np.float64)
+    err = np.abs(whole - exact).max()
+    assert 10 * np.abs(want - whole).max() < err < 1e-4 * np.abs(exact).max()  # near float32, not it
+    assert np.all(whole[3] == whole[3][0])
+    for lo, hi in ((0, 1), (5, 6), (2, 10), (8, 19), (0, 19)):
+        part = jax.jit(functools.partial(cpu_matmul.panel_matmul, activations="int16"))(x[lo:hi], wq)
+        assert np.array_equal(np.asarray(part), whole[lo:hi])
+    np.testing.assert_allclose(np.asarray(cpu_matmul.panel_matmul_reference(x, wq, activations="int16")), want,
+                               rtol=0, atol=2e-6 * np.abs(want).max())
+
+
 def int8x_products_check(x, w):
     wq = cpu_matmul.compress_weight(jnp.asarray(w))
     whole = np.asarray(cpu_matmul.panel_matmul(x, wq, activations="int8"))
@@ -286,12 +318,13 @@ def test_speculative_decoding_through_the_kernel_equals_ar(kernel):
     assert got == want
 
 
-@pytest.mark.parametrize("activations", ["bfloat16", "int8"])
-def test_speculative_decoding_with_bf16x_or_int8x_activations_equals_ar(kernel, activations):
+@pytest.mark.parametrize("activations", ["bfloat16", "int8", "int16"])
+def test_speculative_decoding_with_bf16x_int8x_or_int16x_activations_equals_ar(kernel, activations):
     """A tiny model whose weights are block codes (as a Q4_1 / Q8_0 GGUF's), run with activations
-    rounded to bfloat16 or quantized to int8: every pass rounds the same way, so `pld`'s tree passes
-    give `ar`'s tokens."""
-    if not (cpu_matmul.has_bf16x() if activations == "bfloat16" else cpu_matmul.has_int8x()):
+    rounded to bfloat16 or quantized to int8 or int16: every pass rounds the same way, so `pld`'s tree
+    passes give `ar`'s tokens."""
+    has = {"bfloat16": cpu_matmul.has_bf16x, "int8": cpu_matmul.has_int8x, "int16": cpu_matmul.has_int16x}
+    if not has[activations]():
         pytest.skip(f"this CPU lacks the {activations} activation products")
     rng = np.random.default_rng(7)
     params = init_params(PANEL_LLAMA, seed=6)
@@ -417,7 +450,7 @@ def test_recording_through_the_kernel_head_equals_a_teacher_forced_pass(kernel):
 
 
 def test_load_setting_is_checked_and_explained(kernel):
-    with pytest.raises(HsdjaxError, match="auto, on, off, float32, bf16x, int8x"):
+    with pytest.raises(HsdjaxError, match="auto, on, off, float32, bf16x, int8x, int16x"):
         use_cpu_matmul("fast", PANEL_LLAMA, None)
     assert use_cpu_matmul("off", PANEL_LLAMA, None) is False
     assert use_cpu_matmul("auto", PANEL_LLAMA, None) is True
