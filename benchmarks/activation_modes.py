@@ -1,4 +1,4 @@
-"""What the opt-in activation modes of the CPU kernel (``--cpu-matmul bf16x`` / ``int8x``) do to the model.
+"""What the opt-in activation modes of the CPU kernel (``--cpu-matmul bf16x`` / ``int8x`` / ``int16x``) do to the model.
 
     python benchmarks/activation_modes.py --limit 2 --max-new-tokens 256 --modes auto,bf16x,int8x
 
