@@ -187,15 +187,17 @@ void QTile(const float* x, int64_t k_len, const uint8_t* panel, float* y, int64_
 // sequence of operations over k whatever M is (tree passes equal `ar` steps bit for bit), but not the
 // float32 product: x carries 8 significant bits (like llama.cpp's 8-bit activations on CPU). 4-bit
 // blocks only: an int8 block (a Q8_0 head) keeps the float32 chains, as fast at one row and exact.
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-constexpr bool kHaveBf16x = true;
-
-// Two k rows of 16 bytes interleaved byte by byte: lane 2c + r holds row r's byte c.
+#if defined(__AVX512F__)
+// Two k rows of 16 bytes interleaved byte by byte: lane 2c + r holds row r's byte c (bf16x and int16x).
 inline __m256i PairBytes16(const uint8_t* r0, const uint8_t* r1) {
   const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0));
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1));
   return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
 }
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+constexpr bool kHaveBf16x = true;
 
 // The 32 columns of a k pair as two vectors of bfloat16 pairs (columns 0-15, 16-31).
 template <int BITS>
@@ -424,22 +426,25 @@ template <int MT>
 void ITile8(const uint32_t*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
 #endif
 
-// Rows of x [m, k] (k a multiple of 32) quantized per 32 k: q [m, k] int8 (four per word), the block's
-// scale sq [m, k/32] (max|x| / 127) and the sum of the quantized values times the scale xs [m, k/32].
-// Plain C++: the same values on every machine (the reference rounds the same way, half to even).
-void QuantizeActivations(const float* x, int64_t m, int64_t k, uint32_t* xq, float* sq, float* xs) {
+// Rows of x [m, k] (k a multiple of 32) quantized per 32 k to integers of at most kLevels: q [m, k]
+// (int8: four per word, int16: two), the block's scale sq [m, k/32] (max|x| / kLevels) and the sum of
+// the quantized values times the scale xs [m, k/32]. Plain C++: the same values on every machine (the
+// reference rounds the same way, half to even).
+template <typename Q, int kLevels>
+void QuantizeBlocks(const float* x, int64_t m, int64_t k, Q* q_all, float* sq, float* xs) {
   const int64_t blocks = k / 32;
+  const float levels = static_cast<float>(kLevels);
   for (int64_t r = 0; r < m; ++r) {
-    int8_t* q = reinterpret_cast<int8_t*>(xq + r * (k / 4));
+    Q* q = q_all + r * k;
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + r * k + 32 * b;
       float amax = 0.f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const float scale = amax / levels, inv = amax > 0.f ? levels / amax : 0.f;
       int sum = 0;
       for (int i = 0; i < 32; ++i) {
         const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-        q[32 * b + i] = static_cast<int8_t>(v);
+        q[32 * b + i] = static_cast<Q>(v);
         sum += v;
       }
       sq[r * blocks + b] = scale;
@@ -448,14 +453,14 @@ void QuantizeActivations(const float* x, int64_t m, int64_t k, uint32_t* xq, flo
   }
 }
 
-// Two k rows of 16 bytes interleaved byte by byte: lane 2c + r holds row r's byte c (any AVX-512 build).
-#if defined(__AVX512F__)
-inline __m256i PairBytes16Any(const uint8_t* r0, const uint8_t* r1) {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1));
-  return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+void QuantizeActivations(const float* x, int64_t m, int64_t k, uint32_t* xq, float* sq, float* xs) {
+  QuantizeBlocks<int8_t, 127>(x, m, k, reinterpret_cast<int8_t*>(xq), sq, xs);
 }
-#endif
+
+void QuantizeActivations16(const float* x, int64_t m, int64_t k, uint32_t* xw, float* sq, float* xs) {
+  QuantizeBlocks<int16_t, 32767>(x, m, k, reinterpret_cast<int16_t*>(xw), sq, xs);
+}
+
 
 // ---- int16 activations (opt-in, `cpu_matmul="int16x"`): 4-bit compressed panels ----------------------
 // Each row of x is quantized per 32 k (one block): q = round(x * 32767 / max|x|) in int16, scale
@@ -470,7 +475,7 @@ constexpr bool kHaveInt16x = true;
 
 // A k pair of a 4-bit block's codes as int16 pairs per lane: columns 0-15 (w0) and 16-31 (w1).
 inline void PairCodes16(const uint8_t* rows, __m512i& w0, __m512i& w1) {
-  const __m256i both = PairBytes16Any(rows, rows + 16);  // low nibbles: columns 0-15, high: 16-31
+  const __m256i both = PairBytes16(rows, rows + 16);  // low nibbles: columns 0-15, high: 16-31
   const __m256i nib = _mm256_set1_epi8(15);
   w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(both, nib));
   w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(both, 4), nib));
@@ -523,29 +528,6 @@ constexpr bool kHaveInt16x = false;
 template <int MT>
 void WTile(const uint32_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
 #endif
-
-// Rows of x [m, k] (k a multiple of 32) quantized to int16 per 32 k: q [m, k] (two per word), the block's
-// scale sq [m, k/32] (max|x| / 32767) and the sum of the quantized values times the scale xs [m, k/32].
-void QuantizeActivations16(const float* x, int64_t m, int64_t k, uint32_t* xw, float* sq, float* xs) {
-  const int64_t blocks = k / 32;
-  for (int64_t r = 0; r < m; ++r) {
-    int16_t* q = reinterpret_cast<int16_t*>(xw + r * (k / 2));
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * k + 32 * b;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float scale = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-        q[32 * b + i] = static_cast<int16_t>(v);
-        sum += v;
-      }
-      sq[r * blocks + b] = scale;
-      xs[r * blocks + b] = static_cast<float>(sum) * scale;
-    }
-  }
-}
 
 struct Work {
   const float* x;
