@@ -28,7 +28,8 @@ def feature_drafter(cfg, params, method, seed=0, vocab=None, sharpen=4.0, **opts
     proposals vary (a random drafter is still a drafter: losslessness must not depend on quality)."""
     vocab = vocab or min(cfg.vocab_size, 40)
     fc = FeatureConfig(method=method, hidden=cfg.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=32,
-                       vocab=vocab, rope_theta=cfg.rope_theta, injection=opts.pop("injection", "mlp"))
+                       vocab=vocab, rope_theta=cfg.rope_theta, injection=opts.pop("injection", "mlp"),
+                       root_token=opts.pop("root_token", False))
     net = jax.tree_util.tree_map(lambda a: a * sharpen if a.ndim == 2 else a, init_net(fc, seed))
     ids = np.sort(np.random.RandomState(seed).choice(cfg.vocab_size, vocab, replace=False)).astype(np.int32)
     layers = fused_layer_indices(cfg.num_layers)[:3]
@@ -157,6 +158,48 @@ def test_hsd_with_a_context_read_in_g_is_lossless(both_targets, tree):
                             return_state=True)
     assert got == want
     assert np.all(np.asarray(state.stats.drafter_macs) > 0)
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["1x1", "5x3"])
+def test_hsd_with_the_root_token_is_lossless_and_reads_the_token(both_targets, tree):
+    """``root_token``: verified positions carry their next token into the layer input (the new root
+    included), the chain's own steps stay token-free; greedy output equals `ar` over two decode calls,
+    with reuse and a lookup graft, and the input really depends on the token."""
+    cfg, params = both_targets
+    prompts = prompts_of(12, cfg.vocab_size, 3)
+    want = run_engine(cfg, params, prompts, 30)
+    drafter, dparams = feature_drafter(cfg, params, "hsd", seed=4, root_token=True, policy="reuse", lookup=3, **tree)
+    assert "fc" in dparams["net"]
+    assert run_engine(cfg, params, prompts, 30, drafter=drafter, dparams=dparams, chunks=[4, 30]) == want
+    fused = jax.random.normal(jax.random.PRNGKey(0), (1, 2, 3, cfg.hidden_size))
+    inputs = [drafter.verified_inputs(dparams, fused, jnp.array([[1, t]])) for t in (2, 3)]
+    assert np.allclose(inputs[0][:, 0], inputs[1][:, 0]) and not np.allclose(inputs[0][:, 1], inputs[1][:, 1])
+    plain, plain_params = feature_drafter(cfg, params, "hsd", seed=4, policy="reuse", lookup=3, **tree)
+    same = [plain.verified_inputs(plain_params, fused, jnp.array([[1, t]])) for t in (2, 3)]
+    assert np.array_equal(same[0], same[1])
+
+
+def test_root_token_passthrough_drafts_what_the_drafter_without_it_drafted(target):
+    """The warm start that adds ``root_token`` to a trained `hsd` (``fc`` passes the feature through,
+    the token weights start at zero) proposes exactly the trees of the drafter it starts from."""
+    from hsdjax.drafters.checkpoint import root_token_passthrough
+
+    cfg, params = target
+    prompts = prompts_of(13, cfg.vocab_size, 3)
+    tree = dict(depth=3, width=2, budget=4, policy="reuse")
+    plain, plain_params = feature_drafter(cfg, params, "hsd", seed=5, **tree)
+    with_token = dataclasses.replace(plain, cfg=dataclasses.replace(plain.cfg, root_token=True))
+    dparams = dict(plain_params, net={**plain_params["net"], "fc": jnp.asarray(root_token_passthrough(with_token.cfg))})
+    runs = [run_engine(cfg, params, prompts, 24, drafter=d, dparams=p, return_state=True)
+            for d, p in ((plain, plain_params), (with_token, dparams))]
+    assert runs[0][0] == runs[1][0]
+    for name in ("accepted_drafts", "tree_nodes", "accept_hist", "round_log", "reused_states"):
+        assert np.array_equal(getattr(runs[0][1].stats, name), getattr(runs[1][1].stats, name)), name
+    (_, a), (_, b) = runs  # the drafters' own states after every round: the same chain, keys and context
+    for name in ("chain", "chain_k", "chain_v"):
+        np.testing.assert_allclose(getattr(a.draft, name), getattr(b.draft, name), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a.draft.ctx["k"], b.draft.ctx["k"], rtol=1e-5, atol=1e-6)
+    assert float(np.abs(np.asarray(a.draft.chain)).sum()) > 0
 
 
 @pytest.mark.parametrize("policy", ["reuse", "refresh", "min2"])

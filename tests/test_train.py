@@ -301,6 +301,14 @@ def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
     assert cold["history"][0]["step"] == 1
     assert warm["history"][-1]["loss"] < cold["history"][-1]["loss"]
 
+    # adding root_token to a trained hsd: its token weights start at zero, so it starts where the drafter was
+    token_fc = FeatureConfig(**{**fc.to_json(), "root_token": True})
+    _, token_net, _ = warm_start(path, token_fc, layers[:-1], target)
+    token_run = train(token_fc, data, frozen_rev, got_vocab, still, tmp_path / "e", progress=False,
+                      log=lambda m: None, init_params=token_net)
+    assert token_run["history"][0]["loss"] == pytest.approx(start["loss"], rel=1e-5)
+    assert token_run["history"][0]["chain_accept"] == pytest.approx(start["chain_accept"])
+
     with pytest.raises(HsdjaxError, match="another drafter shape.*mlp 64 there, 32 here"):
         warm_start(path, FeatureConfig(**{**fc.to_json(), "mlp": 32}), layers[:-1], target)
     with pytest.raises(HsdjaxError, match="reads target layers"):
@@ -336,6 +344,12 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
             read_config(path)
     path.write_text(json.dumps({**good, "drafter": {"inject_tokens": 3}}))
     with pytest.raises(HsdjaxError, match="inject_tokens must be 1 or 2"):
+        read_config(path)
+    path.write_text(json.dumps({**good, "drafter": {"root_token": "yes"}}))
+    with pytest.raises(HsdjaxError, match="root_token must be true or false"):
+        read_config(path)
+    path.write_text(json.dumps({**good, "method": "eagle", "drafter": {"root_token": True}}))
+    with pytest.raises(HsdjaxError, match="root_token is an hsd setting"):
         read_config(path)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from hsdjax.errors import HsdjaxError
 
 DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2, "inject_hidden": 0,
-                    "head_delta": False, "width": 0}
+                    "head_delta": False, "width": 0, "root_token": False}
 
 
 def drafter_heads(mc: Any, width: int) -> tuple[int, int]:
@@ -69,6 +69,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
             raise HsdjaxError(f"{path}: drafter {key} must be a whole number >= {least} (got {value!r})")
     if cfg.get("drafter", {}).get("inject_tokens", 2) > 2:  # g sees a node's token and its parent's
         raise HsdjaxError(f"{path}: drafter inject_tokens must be 1 or 2 (the node's token, and its parent's)")
+    root_token = cfg.get("drafter", {}).get("root_token", False)
+    if not isinstance(root_token, bool):
+        raise HsdjaxError(f"{path}: drafter root_token must be true or false (got {root_token!r})")
+    if root_token and cfg["method"] != "hsd":
+        raise HsdjaxError(f"{path}: drafter root_token is an hsd setting (eagle's inputs always carry the next token)")
     cfg["name"] = cfg.get("name", path.stem)
     return cfg
 
@@ -222,7 +227,8 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
                        head_dim=mc.head_dim, mlp=int(dcfg["mlp"]), vocab=int(dcfg["vocab"]), fused=len(layers) - 1,
                        injection=dcfg["injection"], inject_tokens=int(dcfg["inject_tokens"]),
                        inject_hidden=int(dcfg["inject_hidden"]),
-                       head_delta=bool(dcfg["head_delta"]), eps=mc.rms_norm_eps,
+                       head_delta=bool(dcfg["head_delta"]), root_token=bool(dcfg["root_token"]),
+                       eps=mc.rms_norm_eps,
                        rope_theta=mc.rope_theta)
     init_params, started_from = None, None
     if init_path is not None:  # continue from a trained drafter: its weights and its draft vocabulary

@@ -109,7 +109,8 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     i = jnp.arange(t)
     mask = (i[None, :, None] >= i[None, None, :]) & (doc[:, :, None] == doc[:, None, :])
-    x = feats if cfg.method == "hsd" else call(FeatureDrafterNet.eagle_input, feats, emb(_shift(tokens, 1)))
+    # step 1 reads verified positions: eagle's (and hsd's with root_token) carry the next token
+    x = call(FeatureDrafterNet.eagle_input, feats, emb(_shift(tokens, 1))) if cfg.token_input else feats
     q, k_true, v_true = call(FeatureDrafterNet.project, x, pos)
     own_k, own_v = [], []
     attn = rollout_attention(q, k_true, v_true, mask, own_k, own_v)

@@ -106,6 +106,9 @@ def warm_start(path: str | Path, cfg: FeatureConfig, layers: tuple[int, ...], ta
     got, got_layers, vocab_ids, net, meta = read_drafter(path)
     mine, theirs = cfg.to_json(), got.to_json()
     differ = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+    if cfg.method == "hsd" and differ == {"root_token": (False, True)}:  # the token input added, off at first
+        net = {**net, "fc": root_token_passthrough(cfg)}
+        differ = {}
     if differ:
         what = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items()))
         raise HsdjaxError(f"cannot start training from {path.name}: another drafter shape ({what})")
@@ -113,6 +116,13 @@ def warm_start(path: str | Path, cfg: FeatureConfig, layers: tuple[int, ...], ta
         raise HsdjaxError(f"cannot start training from {path.name}: it reads target layers {list(got_layers)}, "
                           f"the data record {list(layers)}")
     return vocab_ids, net, meta
+
+
+def root_token_passthrough(cfg: FeatureConfig) -> np.ndarray:
+    """``fc`` [W + E, W] that passes the fused feature through and ignores the token: an ``hsd``
+    drafter trained without ``root_token`` computes exactly what it did, and training learns the rest."""
+    w = cfg.state_width
+    return np.concatenate([np.eye(w, dtype=np.float32), np.zeros((cfg.hidden, w), np.float32)])
 
 
 def frozen_from_target(target: Any) -> dict[str, Any]:

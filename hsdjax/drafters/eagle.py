@@ -33,20 +33,11 @@ class EagleState:
 class EagleDrafter(FeatureDrafter):
     name: str = "eagle"
 
-    def _inputs(self, dparams, fused, next_tokens):
-        net, p = self._net(), dparams["net"]
-        feat = net.apply({"params": p}, fused, method=FeatureDrafterNet.fuse_states)
-        emb = net.apply({"params": p}, dparams["embed"], next_tokens, method=FeatureDrafterNet.embed)
-        return net.apply({"params": p}, feat, emb, method=FeatureDrafterNet.eagle_input)
-
     def init_state(self, dparams, gen, prompt_states):
         b, s = gen.seq.shape
         states = prompt_states.per_position()  # [B, P, F, E]
         p_len = states.shape[1]
-        # the token after each prompt position; a prompt bucket as long as the buffer has no token after
-        # its last (padding) slot, so one pad column keeps the shapes equal
-        next_tokens = jnp.pad(gen.seq, ((0, 0), (0, 1)))[:, 1: p_len + 1]
-        x = self._inputs(dparams, states, next_tokens)
+        x = self.verified_inputs(dparams, states, self.prompt_next_tokens(gen, p_len))
         ctx, last = ingest(self._net(), dparams["net"], init_context(self.cfg, b, s), x, gen.prompt_len,
                            self.attention, empty=True)
         return EagleState(ctx=ctx, root_out=last)
@@ -99,9 +90,8 @@ class EagleDrafter(FeatureDrafter):
         count = jnp.where(active, verdict.n_path, 0)
         fused = path_states.per_position()  # [B, P, F, E]
         t = fused.shape[1]
-        idx = jnp.clip(gen_before.seq_len[:, None] + jnp.arange(t)[None, :], 0, gen_after.seq.shape[1] - 1)
-        next_tokens = jnp.take_along_axis(gen_after.seq, idx, axis=1)  # the token after each path node
-        inputs = lambda n: self._inputs(dparams, fused[:, :n], next_tokens[:, :n])  # noqa: E731
+        next_tokens = self.path_next_tokens(gen_before, gen_after, t)
+        inputs = lambda n: self.verified_inputs(dparams, fused[:, :n], next_tokens[:, :n])  # noqa: E731
         ctx, last = ingest_path(self._net(), dparams["net"], state.ctx, inputs, count, t, self.attention)
         # finished rows ingest nothing (count 0), so their context is unchanged without a copy
         return EagleState(ctx=ctx, root_out=jnp.where(active[:, None], last, state.root_out))

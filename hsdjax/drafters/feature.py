@@ -69,6 +69,7 @@ class FeatureConfig:
     inject_hidden: int = 0  # hsd: hidden width of g's MLP (mlp / attn forms; 0: the drafter's width W)
     head_delta: bool = False  # a trained [V, E] correction to the frozen head rows (``HEAD_DELTA``)
     width: int = 0  # the drafter's own width W (0: the target's E); W < E adds ``lift`` [W, E] before the head
+    root_token: bool = False  # hsd: verified inputs carry the next token (known once verified), as eagle's do
     eps: float = 1e-5
     rope_theta: float = 10000.0
 
@@ -85,6 +86,12 @@ class FeatureConfig:
     @property
     def narrow(self) -> bool:
         return self.state_width != self.hidden
+
+    @property
+    def token_input(self) -> bool:
+        """Whether a verified position's layer input is ``fc([feature; embedding of the next token])``:
+        always for ``eagle``; for ``hsd`` with ``root_token`` (the chain's own steps stay token-free)."""
+        return self.method == "eagle" or self.root_token
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -193,9 +200,11 @@ class FeatureDrafterNet(nn.Module):
         if c.narrow:
             self.lift = _matrix(self, "lift", _init(), (w, e))
         self.layer = DraftLayer(c)
-        if c.method == "eagle":
+        if c.token_input:
             self.fc = _matrix(self, "fc", _init(), (w + e, w))
-        elif c.injection in ("mlp", "attn"):
+        if c.method == "eagle":
+            return  # no g: eagle's tokens enter through fc alone
+        if c.injection in ("mlp", "attn"):
             self.g_in = _matrix(self, "g_in", _init(), (w + c.inject_tokens * e, c.g_hidden))
             self.g_out = _matrix(self, "g_out", _init(0.01), (c.g_hidden, w))
             if c.injection == "attn":
@@ -267,7 +276,7 @@ class FeatureDrafterNet(nn.Module):
 
     def __call__(self, states, tokens_emb, positions):  # touches every parameter, for init
         x = self.fuse_states(states)
-        if self.cfg.method == "eagle":
+        if self.cfg.token_input:
             x = self.eagle_input(x, tokens_emb[..., 0, :])
         q, k, v = self.project(x, positions)
         out = self.finish(x, q)
@@ -480,6 +489,31 @@ class FeatureDrafter(Drafter):
     def _net(self) -> FeatureDrafterNet:
         return FeatureDrafterNet(self.cfg)
 
+    # -- the layer inputs of verified positions (the context the ingest passes add)
+    def verified_inputs(self, dparams, fused: Float[Array, "B T F E"], next_tokens: Int[Array, "B T"]
+                        ) -> Float[Array, "B T W"]:
+        """Fused states of verified positions, with the embedding of each one's next token mixed in
+        when ``cfg.token_input`` (the token after a verified position is always known: at the last one
+        it is the new root, the token verification emitted)."""
+        net, p = self._net(), dparams["net"]
+        feat = net.apply({"params": p}, fused, method=FeatureDrafterNet.fuse_states)
+        if not self.cfg.token_input:
+            return feat
+        emb = net.apply({"params": p}, dparams["embed"], next_tokens, method=FeatureDrafterNet.embed)
+        return net.apply({"params": p}, feat, emb, method=FeatureDrafterNet.eagle_input)
+
+    @staticmethod
+    def prompt_next_tokens(gen: Any, p_len: int) -> Int[Array, "B P"]:
+        """The token after each of the first ``p_len`` positions (a prompt bucket as long as the buffer
+        has no token after its last, padding, slot: one pad column keeps the shapes equal)."""
+        return jnp.pad(gen.seq, ((0, 0), (0, 1)))[:, 1: p_len + 1]
+
+    @staticmethod
+    def path_next_tokens(gen_before: Any, gen_after: Any, t: int) -> Int[Array, "B T"]:
+        """The token after each of a round's ``t`` path slots (the emitted token after the last)."""
+        idx = jnp.clip(gen_before.seq_len[:, None] + jnp.arange(t)[None, :], 0, gen_after.seq.shape[1] - 1)
+        return jnp.take_along_axis(gen_after.seq, idx, axis=1)
+
     # -- multiply-adds of the pieces (the honest cost counter: DraftCost.macs)
     def _layer_macs(self, keys: Any) -> Any:
         c = self.cfg
@@ -506,7 +540,7 @@ class FeatureDrafter(Drafter):
         """Fusing the target states of one position (``eagle`` also mixes in a token embedding)."""
         c = self.cfg
         w, e = c.state_width, c.hidden
-        return c.fused * e * w + ((w + e) * w if c.method == "eagle" else 0)
+        return c.fused * e * w + ((w + e) * w if c.token_input else 0)
 
     def observe_macs(self, gen_before, n_path):
         """The ingest: each verified token's states fused and passed through the layer."""

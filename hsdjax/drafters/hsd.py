@@ -56,7 +56,7 @@ class HSDDrafter(FeatureDrafter):
         b, s = gen.seq.shape
         c = self.cfg
         states = prompt_states.per_position()  # [B, P, F, E]
-        x = self._net().apply({"params": dparams["net"]}, states, method=FeatureDrafterNet.fuse_states)
+        x = self.verified_inputs(dparams, states, self.prompt_next_tokens(gen, states.shape[1]))
         ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len, self.attention,
                            empty=True)
         size = self.chain_size
@@ -160,7 +160,8 @@ class HSDDrafter(FeatureDrafter):
         active = ~gen_before.done
         count = jnp.where(active, verdict.n_path, 0)
         fused = path_states.per_position()  # [B, P, F, E]
-        inputs = lambda n: net.apply({"params": p}, fused[:, :n], method=FeatureDrafterNet.fuse_states)  # noqa: E731
+        next_tokens = self.path_next_tokens(gen_before, gen_after, fused.shape[1])
+        inputs = lambda n: self.verified_inputs(dparams, fused[:, :n], next_tokens[:, :n])  # noqa: E731
         ctx, fresh_state = ingest_path(net, p, state.ctx, inputs, count, fused.shape[1], self.attention)
         # shift the chain by the advance; the fresh ingest output replaces the kept guess for the root
         size = state.chain.shape[1]
