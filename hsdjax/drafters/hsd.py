@@ -7,7 +7,9 @@ come from ``g(chain[d], embeddings of the node's token and its parent's)`` throu
 nodes of a depth in one batched call, so the chain runs once per depth, not per node.
 
 After verification accepts ``a`` drafts, the verified states are ingested (one layer pass, whose
-last output is a fresh guess for the new root position) and the chain is shifted by ``a + 1``: its
+last output is a fresh guess for the new root position; with ``root_token`` each verified position's
+input also carries its next token, known once verified, the new root included, as ``eagle``'s does,
+while the chain's own steps stay token-free) and the chain is shifted by ``a + 1``: its
 states beyond the accepted path are still guesses for the positions that follow, so the next round
 reuses them and only extends the chain by the missing depths (the fresh root state's keys replace
 those of the old guess it stands in for, as in training, where each rollout step attends to the keys
