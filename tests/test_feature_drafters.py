@@ -29,7 +29,7 @@ def feature_drafter(cfg, params, method, seed=0, vocab=None, sharpen=4.0, **opts
     vocab = vocab or min(cfg.vocab_size, 40)
     fc = FeatureConfig(method=method, hidden=cfg.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=32,
                        vocab=vocab, rope_theta=cfg.rope_theta, injection=opts.pop("injection", "mlp"),
-                       root_token=opts.pop("root_token", False))
+                       root_token=opts.pop("root_token", False), chain_layer=opts.pop("chain_layer", False))
     net = jax.tree_util.tree_map(lambda a: a * sharpen if a.ndim == 2 else a, init_net(fc, seed))
     ids = np.sort(np.random.RandomState(seed).choice(cfg.vocab_size, vocab, replace=False)).astype(np.int32)
     layers = fused_layer_indices(cfg.num_layers)[:3]
@@ -179,19 +179,49 @@ def test_hsd_with_the_root_token_is_lossless_and_reads_the_token(both_targets, t
     assert np.array_equal(same[0], same[1])
 
 
-def test_root_token_passthrough_drafts_what_the_drafter_without_it_drafted(target):
-    """The warm start that adds ``root_token`` to a trained `hsd` (``fc`` passes the feature through,
-    the token weights start at zero) proposes exactly the trees of the drafter it starts from."""
-    from hsdjax.drafters.checkpoint import root_token_passthrough
+@pytest.mark.parametrize("tree", TREES, ids=["1x1", "5x3"])
+def test_hsd_with_a_chain_layer_is_lossless_and_runs_the_chain_on_it(both_targets, tree):
+    """``chain_layer``: the chain's own steps (and the kept root's keys) run a second layer, the
+    verified positions the first. Greedy output equals `ar` over two decode calls, with reuse and a
+    graft; against the same drafter without it, the context (the first layer's) is the same and the
+    chain's states beyond the root (the second layer's) are not."""
+    cfg, params = both_targets
+    prompts = prompts_of(14, cfg.vocab_size, 3)
+    want = run_engine(cfg, params, prompts, 30)
+    opts = dict(seed=6, policy="reuse", lookup=3, **tree)
+    plain, plain_params = feature_drafter(cfg, params, "hsd", **opts)
+    chained = dataclasses.replace(plain, cfg=dataclasses.replace(plain.cfg, chain_layer=True))
+    other = {k: v[::-1] if v.ndim == 2 else v for k, v in plain_params["net"]["layer"].items()}
+    dparams = dict(plain_params, net={**plain_params["net"], "chain": other})
+    runs = [run_engine(cfg, params, prompts, 30, drafter=d, dparams=p, chunks=[4, 30], return_state=True)
+            for d, p in ((plain, plain_params), (chained, dparams))]
+    assert runs[0][0] == want and runs[1][0] == want
+    (_, a), (_, b) = runs
+    n = int(np.min(np.asarray(a.draft.ctx["len"])))
+    np.testing.assert_allclose(a.draft.ctx["k"][:, :, :n], b.draft.ctx["k"][:, :, :n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a.draft.chain[:, 0], b.draft.chain[:, 0], rtol=1e-5, atol=1e-6)
+    if plain.depth > 1:
+        assert not np.allclose(a.draft.chain[:, 1:], b.draft.chain[:, 1:], atol=1e-3)
+
+
+@pytest.mark.parametrize("added", ["root_token", "chain_layer"])
+def test_a_grown_plain_hsd_drafts_what_it_drafted(target, added):
+    """The warm starts that add ``root_token`` (``fc`` passes the feature through, the token weights
+    start at zero) or ``chain_layer`` (a copy of the layer) to a trained `hsd` propose exactly the trees
+    of the drafter they start from."""
+    from hsdjax.drafters.checkpoint import grow_plain_hsd
 
     cfg, params = target
     prompts = prompts_of(13, cfg.vocab_size, 3)
     tree = dict(depth=3, width=2, budget=4, policy="reuse")
     plain, plain_params = feature_drafter(cfg, params, "hsd", seed=5, **tree)
-    with_token = dataclasses.replace(plain, cfg=dataclasses.replace(plain.cfg, root_token=True))
-    dparams = dict(plain_params, net={**plain_params["net"], "fc": jnp.asarray(root_token_passthrough(with_token.cfg))})
+    grown = dataclasses.replace(plain, cfg=dataclasses.replace(plain.cfg, **{added: True}))
+    net, differ = grow_plain_hsd(plain_params["net"], grown.cfg, {added: (False, True), "mlp": (64, 32)})
+    assert differ == {"mlp": (64, 32)}  # what cannot be grown is left for the caller to refuse
+    assert set(net) - set(plain_params["net"]) == {"fc" if added == "root_token" else "chain"}
+    dparams = dict(plain_params, net=jax.tree_util.tree_map(jnp.asarray, net))
     runs = [run_engine(cfg, params, prompts, 24, drafter=d, dparams=p, return_state=True)
-            for d, p in ((plain, plain_params), (with_token, dparams))]
+            for d, p in ((plain, plain_params), (grown, dparams))]
     assert runs[0][0] == runs[1][0]
     for name in ("accepted_drafts", "tree_nodes", "accept_hist", "round_log", "reused_states"):
         assert np.array_equal(getattr(runs[0][1].stats, name), getattr(runs[1][1].stats, name)), name

@@ -309,6 +309,14 @@ def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
     assert token_run["history"][0]["loss"] == pytest.approx(start["loss"], rel=1e-5)
     assert token_run["history"][0]["chain_accept"] == pytest.approx(start["chain_accept"])
 
+    # adding chain_layer: the chain's layer starts as a copy of the one layer, so it starts there too
+    chain_fc = FeatureConfig(**{**fc.to_json(), "chain_layer": True})
+    _, chain_net, _ = warm_start(path, chain_fc, layers[:-1], target)
+    chain_run = train(chain_fc, data, frozen_rev, got_vocab, still, tmp_path / "f", progress=False,
+                      log=lambda m: None, init_params=chain_net)
+    assert chain_run["history"][0]["loss"] == pytest.approx(start["loss"], rel=1e-5)
+    assert chain_run["history"][0]["chain_accept"] == pytest.approx(start["chain_accept"])
+
     with pytest.raises(HsdjaxError, match="another drafter shape.*mlp 64 there, 32 here"):
         warm_start(path, FeatureConfig(**{**fc.to_json(), "mlp": 32}), layers[:-1], target)
     with pytest.raises(HsdjaxError, match="reads target layers"):
@@ -319,6 +327,41 @@ def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
     with pytest.raises(HsdjaxError, match="do not fit this drafter"):
         train(fc, data, frozen_rev, got_vocab, still, tmp_path / "d", progress=False, log=lambda m: None,
               init_params=dict(list(net.items())[1:]))
+
+
+def test_the_chain_layer_is_trained_by_the_rollout_steps_alone(recorded):
+    """With ``chain_layer``, rollout step 1 (verified inputs) trains the first layer and steps 2+ (the
+    drafter's own states) the second: at rollout 1 no gradient reaches the chain's layer, at rollout 2
+    it does; the chain's layer changes step 2's loss but not step 1's."""
+    import jax.numpy as jnp
+
+    from hsdjax.drafters.feature import init_net
+    from hsdjax.train.train import rollout_loss
+
+    params, layers, prompts, data = recorded
+    fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
+                       rope_theta=CFG.rope_theta, chain_layer=True)
+    vocab_ids, frozen = frozen_pieces(params, data, fc)
+    vocab_map = np.full(CFG.vocab_size, -1, np.int64)
+    vocab_map[vocab_ids] = np.arange(len(vocab_ids))
+    windows = WindowData(data, vocab_map, 32, 0.1, np.unique(data["doc"]))
+    batch = jax.tree_util.tree_map(jnp.asarray, windows.batch(windows.starts[:4]))
+    net = init_net(fc, 0)
+    opts = dict(step_decay=0.8, ce_weight=1.0, reg_weight=0.2, feature_noise=0.0)
+
+    def grads(rollout):
+        return jax.grad(lambda p: rollout_loss(p, batch, frozen, fc, dict(opts, rollout=rollout))[0])(net)
+
+    def norm(tree):
+        return sum(float(jnp.sum(jnp.square(a))) for a in jax.tree_util.tree_leaves(tree))
+
+    one, two = grads(1), grads(2)
+    assert norm(one["chain"]) == 0 and norm(one["layer"]) > 0
+    assert norm(two["chain"]) > 0
+    moved = dict(net, chain=jax.tree_util.tree_map(lambda a: a * 1.5 if a.ndim == 2 else a, net["chain"]))
+    metrics = [rollout_loss(p, batch, frozen, fc, dict(opts, rollout=2))[1] for p in (net, moved)]
+    assert float(metrics[0]["acc_ce1"]) == float(metrics[1]["acc_ce1"])
+    assert float(metrics[0]["acc_ce2"]) != float(metrics[1]["acc_ce2"])
 
 
 def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
@@ -351,6 +394,14 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
     path.write_text(json.dumps({**good, "method": "eagle", "drafter": {"root_token": True}}))
     with pytest.raises(HsdjaxError, match="root_token is an hsd setting"):
         read_config(path)
+    path.write_text(json.dumps({**good, "drafter": {"chain_layer": 1}}))
+    with pytest.raises(HsdjaxError, match="chain_layer must be true or false"):
+        read_config(path)
+    path.write_text(json.dumps({**good, "method": "eagle", "drafter": {"chain_layer": True}}))
+    with pytest.raises(HsdjaxError, match="chain_layer is an hsd setting"):
+        read_config(path)
+    path.write_text(json.dumps({**good, "drafter": {"chain_layer": True, "root_token": True}}))
+    assert read_config(path)["drafter"]["chain_layer"] is True
 
 
 def test_warm_start_on_seen_data_is_called_out(tmp_path):

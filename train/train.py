@@ -119,10 +119,10 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
     for s in range(1, opts["rollout"] + 1):
         if s > 1:  # feed the previous prediction back at position t+s-1
             x = out if cfg.method == "hsd" else call(FeatureDrafterNet.eagle_input, out, emb(_shift(tokens, s)))
-            q, k, v = call(FeatureDrafterNet.project, x, pos + s - 1)
+            q, k, v = call(FeatureDrafterNet.chain_project, x, pos + s - 1)  # hsd's chain layer, if it has one
             own_k.append(k)
             own_v.append(v)
-            out = call(FeatureDrafterNet.finish, x, rollout_attention(q, k_true, v_true, mask, own_k, own_v))
+            out = call(FeatureDrafterNet.chain_finish, x, rollout_attention(q, k_true, v_true, mask, own_k, own_v))
         ok = (_shift(doc, s, -1) == doc) & (i[None, :] + s < t)
         w = _shift(weight, s) * ok
         if cfg.method == "hsd":

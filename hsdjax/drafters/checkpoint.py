@@ -99,16 +99,17 @@ def load_drafter(path: str | Path, target: Any, method: str) -> tuple[FeatureCon
 def warm_start(path: str | Path, cfg: FeatureConfig, layers: tuple[int, ...], target: Any
                ) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
     """(vocab ids, params, metadata) of a checkpoint that training continues from (the train setting
-    ``init``): it must be a drafter of the same shape, reading the same layers of the same target."""
+    ``init``): it must be a drafter of the same shape, reading the same layers of the same target. A
+    plain ``hsd`` may start an ``hsd`` that adds ``root_token`` (``root_token_passthrough``) or
+    ``chain_layer`` (the chain's layer starts as a copy of the one layer): either starts computing
+    exactly what the plain drafter computed."""
     path = Path(path)
     if path.is_file():
         _check_target(path, read_meta(path), target)
     got, got_layers, vocab_ids, net, meta = read_drafter(path)
     mine, theirs = cfg.to_json(), got.to_json()
     differ = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-    if cfg.method == "hsd" and differ == {"root_token": (False, True)}:  # the token input added, off at first
-        net = {**net, "fc": root_token_passthrough(cfg)}
-        differ = {}
+    net, differ = grow_plain_hsd(net, cfg, differ)
     if differ:
         what = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items()))
         raise HsdjaxError(f"cannot start training from {path.name}: another drafter shape ({what})")
@@ -116,6 +117,24 @@ def warm_start(path: str | Path, cfg: FeatureConfig, layers: tuple[int, ...], ta
         raise HsdjaxError(f"cannot start training from {path.name}: it reads target layers {list(got_layers)}, "
                           f"the data record {list(layers)}")
     return vocab_ids, net, meta
+
+
+def grow_plain_hsd(net: dict[str, Any], cfg: FeatureConfig, differ: dict[str, tuple[Any, Any]]
+                   ) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """A trained ``hsd`` network grown into ``cfg``'s where ``cfg`` adds ``root_token`` (``fc`` passes
+    the feature through, ``root_token_passthrough``) or ``chain_layer`` (the chain's layer starts as
+    a copy of the one layer): either way it computes exactly what it did. Returns the network and the
+    settings that still differ (``differ``: setting -> (the checkpoint's value, ``cfg``'s))."""
+    differ = dict(differ)
+    if cfg.method != "hsd":
+        return net, differ
+    if differ.get("root_token") == (False, True):
+        net = {**net, "fc": root_token_passthrough(cfg)}
+        del differ["root_token"]
+    if differ.get("chain_layer") == (False, True):
+        net = {**net, "chain": dict(net["layer"])}
+        del differ["chain_layer"]
+    return net, differ
 
 
 def root_token_passthrough(cfg: FeatureConfig) -> np.ndarray:

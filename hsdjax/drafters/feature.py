@@ -70,6 +70,7 @@ class FeatureConfig:
     head_delta: bool = False  # a trained [V, E] correction to the frozen head rows (``HEAD_DELTA``)
     width: int = 0  # the drafter's own width W (0: the target's E); W < E adds ``lift`` [W, E] before the head
     root_token: bool = False  # hsd: verified inputs carry the next token (known once verified), as eagle's do
+    chain_layer: bool = False  # hsd: the chain's own steps run a second layer; the first reads verified inputs only
     eps: float = 1e-5
     rope_theta: float = 10000.0
 
@@ -200,6 +201,8 @@ class FeatureDrafterNet(nn.Module):
         if c.narrow:
             self.lift = _matrix(self, "lift", _init(), (w, e))
         self.layer = DraftLayer(c)
+        if c.chain_layer:
+            self.chain = DraftLayer(c)
         if c.token_input:
             self.fc = _matrix(self, "fc", _init(), (w + e, w))
         if c.method == "eagle":
@@ -235,6 +238,17 @@ class FeatureDrafterNet(nn.Module):
 
     def finish(self, x, attn):
         return self.layer.finish(x, attn)
+
+    def _chain_layer(self) -> DraftLayer:
+        return self.chain if self.cfg.chain_layer else self.layer
+
+    def chain_project(self, x, positions):
+        """``project`` for the chain's own steps (a predicted state in, at its position): the second
+        layer's with ``chain_layer``, else the one layer's."""
+        return self._chain_layer().project(x, positions)
+
+    def chain_finish(self, x, attn):
+        return self._chain_layer().finish(x, attn)
 
     # -- outputs
     def _g_input(self, state: Float[Array, "... W"], token_embs: Float[Array, "... N E"]) -> Float[Array, "... G"]:
@@ -280,6 +294,8 @@ class FeatureDrafterNet(nn.Module):
             x = self.eagle_input(x, tokens_emb[..., 0, :])
         q, k, v = self.project(x, positions)
         out = self.finish(x, q)
+        if self.cfg.chain_layer:
+            out = self.chain_finish(out, self.chain_project(out, positions)[0])
         if self.cfg.method == "hsd":
             context = self.inject_query(out, tokens_emb, positions) if self.cfg.injection == "attn" else None
             out = self.inject(out, tokens_emb, context)
@@ -416,12 +432,14 @@ def ingest_path(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], inpu
 
 def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
                       q: Float[Array, "B T H D"], local_k: Float[Array, "B M K D"], local_v: Float[Array, "B M K D"],
-                      local_mask: Bool[Array, "B T M"], attention: str = "auto") -> Float[Array, "B T E"]:
+                      local_mask: Bool[Array, "B T M"], attention: str = "auto", chain: bool = False
+                      ) -> Float[Array, "B T E"]:
     """New inputs ``x`` (queries ``q``) attend to the verified context (its filled part only) plus the
     local keys their mask allows (chain states, or tree ancestors and themselves); then the rest of
-    the layer."""
+    the layer (``chain``: of the chain's layer, ``FeatureDrafterNet.chain_finish``)."""
     attn = attention_fn(attention)(q, ctx["k"], ctx["v"], ctx["len"], local_k, local_v, local_mask)
-    return net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
+    finish = FeatureDrafterNet.chain_finish if chain else FeatureDrafterNet.finish
+    return net.apply({"params": params}, x, attn, method=finish)
 
 
 def context_read(q: Float[Array, "B T H D"], ctx: dict[str, Array], attention: str = "auto") -> Float[Array, "B T H D"]:

@@ -9,7 +9,8 @@ nodes of a depth in one batched call, so the chain runs once per depth, not per 
 After verification accepts ``a`` drafts, the verified states are ingested (one layer pass, whose
 last output is a fresh guess for the new root position; with ``root_token`` each verified position's
 input also carries its next token, known once verified, the new root included, as ``eagle``'s does,
-while the chain's own steps stay token-free) and the chain is shifted by ``a + 1``: its
+while the chain's own steps stay token-free; with ``chain_layer`` those steps run a second layer of
+their own, so the first is trained on verified inputs alone) and the chain is shifted by ``a + 1``: its
 states beyond the accepted path are still guesses for the positions that follow, so the next round
 reuses them and only extends the chain by the missing depths (the fresh root state's keys replace
 those of the old guess it stands in for, as in training, where each rollout step attends to the keys
@@ -81,11 +82,11 @@ class HSDDrafter(FeatureDrafter):
         b = st.chain.shape[0]
         x = st.chain[:, j: j + 1]
         pos = (ctx["len"] + j)[:, None]
-        q, k, v = net.apply({"params": p}, x, pos, method=FeatureDrafterNet.project)
+        q, k, v = net.apply({"params": p}, x, pos, method=FeatureDrafterNet.chain_project)
         ck = st.chain_k.at[:, j].set(k[:, 0])
         cv = st.chain_v.at[:, j].set(v[:, 0])
         local_mask = (jnp.arange(ck.shape[1]) <= j)[None, None, :].repeat(b, 0)
-        out = attend_and_finish(net, p, ctx, x, q, ck, cv, local_mask, self.attention)[:, 0]
+        out = attend_and_finish(net, p, ctx, x, q, ck, cv, local_mask, self.attention, chain=True)[:, 0]
         need = st.n_chain == j + 1
         return st.replace(
             chain=jnp.where(need[:, None, None], st.chain.at[:, j + 1].set(out), st.chain),
@@ -179,7 +180,7 @@ class HSDDrafter(FeatureDrafter):
         chain_k, chain_v = take(state.chain_k), take(state.chain_v)
         if self.depth + self.ahead > 1:  # kept chain states are extended from the fresh root state: give it its own keys
             _, k0, v0 = net.apply({"params": p}, fresh_state[:, None], ctx["len"][:, None],
-                                  method=FeatureDrafterNet.project)
+                                  method=FeatureDrafterNet.chain_project)
             chain_k, chain_v = chain_k.at[:, 0].set(k0[:, 0]), chain_v.at[:, 0].set(v0[:, 0])
         new = HSDState(ctx=ctx, chain=take(state.chain).at[:, 0].set(fresh_state), chain_k=chain_k,
                        chain_v=chain_v, n_chain=n_chain, fresh=jnp.zeros_like(state.fresh).at[:, 0].set(1))
