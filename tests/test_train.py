@@ -332,7 +332,8 @@ def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
 def test_the_chain_layer_is_trained_by_the_rollout_steps_alone(recorded):
     """With ``chain_layer``, rollout step 1 (verified inputs) trains the first layer and steps 2+ (the
     drafter's own states) the second: at rollout 1 no gradient reaches the chain's layer, at rollout 2
-    it does; the chain's layer changes step 2's loss but not step 1's."""
+    it does; the chain's layer changes step 2's loss but not step 1's. With ``detach_chain`` the first
+    layer and the fusion get step 1's gradient alone."""
     import jax.numpy as jnp
 
     from hsdjax.drafters.feature import init_net
@@ -358,6 +359,13 @@ def test_the_chain_layer_is_trained_by_the_rollout_steps_alone(recorded):
     one, two = grads(1), grads(2)
     assert norm(one["chain"]) == 0 and norm(one["layer"]) > 0
     assert all(norm(g) > 0 for g in two["chain"].values())  # every piece of it: projections, output, MLP
+    # detach_chain: the first layer and the fusion get step 1's gradient alone, as at rollout 1
+    cut = jax.grad(lambda p: rollout_loss(p, batch, frozen, fc, dict(opts, rollout=3, detach_chain=True))[0])(net)
+    first = lambda g: {k: g[k] for k in ("layer", "fuse", "fuse_norm")}  # noqa: E731
+    for a, b in zip(jax.tree_util.tree_leaves(first(one)), jax.tree_util.tree_leaves(first(cut))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+    assert not np.allclose(first(one)["layer"]["wq"], first(two)["layer"]["wq"], rtol=1e-3)
+    assert all(norm(g) > 0 for g in cut["chain"].values())
     moved = dict(net, chain=jax.tree_util.tree_map(lambda a: a * 1.5 if a.ndim == 2 else a, net["chain"]))
     metrics = [rollout_loss(p, batch, frozen, fc, dict(opts, rollout=2))[1] for p in (net, moved)]
     assert float(metrics[0]["acc_ce1"]) == float(metrics[1]["acc_ce1"])
@@ -400,8 +408,15 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
     path.write_text(json.dumps({**good, "method": "eagle", "drafter": {"chain_layer": True}}))
     with pytest.raises(HsdjaxError, match="chain_layer is an hsd setting"):
         read_config(path)
-    path.write_text(json.dumps({**good, "drafter": {"chain_layer": True, "root_token": True}}))
-    assert read_config(path)["drafter"]["chain_layer"] is True
+    path.write_text(json.dumps({**good, "drafter": {"chain_layer": True, "root_token": True},
+                                "train": {"detach_chain": True}}))
+    assert read_config(path)["train"]["detach_chain"] is True
+    path.write_text(json.dumps({**good, "train": {"detach_chain": True}}))
+    with pytest.raises(HsdjaxError, match="detach_chain needs an hsd drafter with chain_layer"):
+        read_config(path)
+    path.write_text(json.dumps({**good, "drafter": {"chain_layer": True}, "train": {"detach_chain": "no"}}))
+    with pytest.raises(HsdjaxError, match="detach_chain must be true or false"):
+        read_config(path)
 
 
 def test_warm_start_on_seen_data_is_called_out(tmp_path):

@@ -77,6 +77,12 @@ def read_config(path: str | Path) -> dict[str, Any]:
             raise HsdjaxError(f"{path}: drafter {key} must be true or false (got {value!r})")
         if value and cfg["method"] != "hsd":
             raise HsdjaxError(f"{path}: drafter {key} is an hsd setting ({why})")
+    detach = cfg.get("train", {}).get("detach_chain", False)
+    if not isinstance(detach, bool):
+        raise HsdjaxError(f"{path}: train detach_chain must be true or false (got {detach!r})")
+    if detach and not (cfg["method"] == "hsd" and cfg.get("drafter", {}).get("chain_layer") is True):
+        raise HsdjaxError(f"{path}: train detach_chain needs an hsd drafter with chain_layer (without it the "
+                          "chain's steps run the first layer, whose gradient it would cut only in part)")
     cfg["name"] = cfg.get("name", path.stem)
     return cfg
 

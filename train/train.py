@@ -11,7 +11,9 @@ through ``g`` with the true path tokens; ``attn`` injection: ``g`` also reads th
 weighted by ``step_decay ** (s-1)``; prompt tokens are weighted by ``prompt_weight``. With
 ``feature_noise`` = a > 0, training (not evaluation) adds uniform noise in [-a, a] times each state's
 root mean square to the target states the drafter reads (never to the states it must predict), so
-it learns from inputs as imperfect as its own predictions at later steps.
+it learns from inputs as imperfect as its own predictions at later steps. With ``detach_chain`` (an
+``hsd`` with ``chain_layer``) steps 2+ read step 1's outputs, keys and values as given data: the first
+layer (and the fusion) is trained by step 1 alone, the chain's layer by the later steps.
 
 Data parallel: given a ``jax.sharding.Mesh`` (axes ``data``, ``model``), each batch of windows is split
 by rows over ``data`` while the drafter's params, the optimizer state and the frozen target pieces are
@@ -46,6 +48,7 @@ TRAIN_DEFAULTS = {
     "window": 256, "batch": 8, "rollout": 4, "epochs": 2.0, "lr": 1e-3, "warmup": 50, "weight_decay": 0.01,
     "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "prompt_weight": 0.3, "holdout": 0.02,
     "save_every_s": 600, "seed": 0, "max_steps": 0, "feature_noise": 0.0,
+    "detach_chain": False,  # hsd with chain_layer: steps 2+ pass no gradient into the first layer (step 1 trains it)
     "init": "",  # a drafter checkpoint to start from (`hsdjax train-drafter`; "shipped": the shipped one)
 }
 
@@ -117,6 +120,8 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
     out = call(FeatureDrafterNet.finish, x, attn)
     total, metrics = 0.0, {}
     for s in range(1, opts["rollout"] + 1):
+        if s == 2 and opts.get("detach_chain"):  # the chain reads the first layer's work as given data
+            out, k_true, v_true = (jax.lax.stop_gradient(a) for a in (out, k_true, v_true))
         if s > 1:  # feed the previous prediction back at position t+s-1
             x = out if cfg.method == "hsd" else call(FeatureDrafterNet.eagle_input, out, emb(_shift(tokens, s)))
             q, k, v = call(FeatureDrafterNet.chain_project, x, pos + s - 1)  # hsd's chain layer, if it has one
@@ -303,7 +308,8 @@ def train(cfg: FeatureConfig, data: dict[str, np.ndarray], frozen: dict[str, Any
         total = min(total, opts["max_steps"])
     optimizer = make_optimizer(opts, total)
     frozen_j = place_replicated(dict(frozen), mesh)
-    static_opts = {k: opts[k] for k in ("rollout", "step_decay", "ce_weight", "reg_weight", "feature_noise")}
+    static_opts = {k: opts[k] for k in ("rollout", "step_decay", "ce_weight", "reg_weight", "feature_noise",
+                                         "detach_chain")}
 
     def train_step(params, opt_state, batch, frozen_j):
         (loss, metrics), grads = jax.value_and_grad(rollout_loss, has_aux=True)(params, batch, frozen_j, cfg,
