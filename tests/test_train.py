@@ -301,21 +301,15 @@ def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
     assert cold["history"][0]["step"] == 1
     assert warm["history"][-1]["loss"] < cold["history"][-1]["loss"]
 
-    # adding root_token to a trained hsd: its token weights start at zero, so it starts where the drafter was
-    token_fc = FeatureConfig(**{**fc.to_json(), "root_token": True})
-    _, token_net, _ = warm_start(path, token_fc, layers[:-1], target)
-    token_run = train(token_fc, data, frozen_rev, got_vocab, still, tmp_path / "e", progress=False,
-                      log=lambda m: None, init_params=token_net)
-    assert token_run["history"][0]["loss"] == pytest.approx(start["loss"], rel=1e-5)
-    assert token_run["history"][0]["chain_accept"] == pytest.approx(start["chain_accept"])
-
-    # adding chain_layer: the chain's layer starts as a copy of the one layer, so it starts there too
-    chain_fc = FeatureConfig(**{**fc.to_json(), "chain_layer": True})
-    _, chain_net, _ = warm_start(path, chain_fc, layers[:-1], target)
-    chain_run = train(chain_fc, data, frozen_rev, got_vocab, still, tmp_path / "f", progress=False,
-                      log=lambda m: None, init_params=chain_net)
-    assert chain_run["history"][0]["loss"] == pytest.approx(start["loss"], rel=1e-5)
-    assert chain_run["history"][0]["chain_accept"] == pytest.approx(start["chain_accept"])
+    # growing a trained hsd (root_token: token weights at zero; chain_layer: the chain's layer a copy of the
+    # one layer) starts where the drafter was
+    for added in ("root_token", "chain_layer"):
+        grown_fc = FeatureConfig(**{**fc.to_json(), added: True})
+        _, grown_net, _ = warm_start(path, grown_fc, layers[:-1], target)
+        grown = train(grown_fc, data, frozen_rev, got_vocab, still, tmp_path / added, progress=False,
+                      log=lambda m: None, init_params=grown_net)
+        assert grown["history"][0]["loss"] == pytest.approx(start["loss"], rel=1e-5), added
+        assert grown["history"][0]["chain_accept"] == pytest.approx(start["chain_accept"]), added
 
     with pytest.raises(HsdjaxError, match="another drafter shape.*mlp 64 there, 32 here"):
         warm_start(path, FeatureConfig(**{**fc.to_json(), "mlp": 32}), layers[:-1], target)
