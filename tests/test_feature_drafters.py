@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from hsdjax.drafters.checkpoint import bind
 from hsdjax.drafters.eagle import EagleDrafter
-from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, init_net
+from hsdjax.drafters.feature import OUTPUT_SIDE, FeatureConfig, FeatureDrafterNet, init_net
 from hsdjax.drafters.hsd import HSDDrafter
 from hsdjax.model import init_params
 from hsdjax.train.datagen import fused_layer_indices
@@ -29,7 +29,8 @@ def feature_drafter(cfg, params, method, seed=0, vocab=None, sharpen=4.0, **opts
     vocab = vocab or min(cfg.vocab_size, 40)
     fc = FeatureConfig(method=method, hidden=cfg.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=32,
                        vocab=vocab, rope_theta=cfg.rope_theta, injection=opts.pop("injection", "mlp"),
-                       root_token=opts.pop("root_token", False), chain_layer=opts.pop("chain_layer", False))
+                       root_token=opts.pop("root_token", False), chain_layer=opts.pop("chain_layer", False),
+                       chain_g=opts.pop("chain_g", False))
     net = jax.tree_util.tree_map(lambda a: a * sharpen if a.ndim == 2 else a, init_net(fc, seed))
     ids = np.sort(np.random.RandomState(seed).choice(cfg.vocab_size, vocab, replace=False)).astype(np.int32)
     layers = fused_layer_indices(cfg.num_layers)[:3]
@@ -204,11 +205,40 @@ def test_hsd_with_a_chain_layer_is_lossless_and_runs_the_chain_on_it(both_target
         assert not np.allclose(a.draft.chain[:, 1:], b.draft.chain[:, 1:], atol=1e-3)
 
 
-@pytest.mark.parametrize("added", ["root_token", "chain_layer"])
+@pytest.mark.parametrize("tree", TREES, ids=["1x1", "5x3"])
+def test_hsd_with_a_chain_g_is_lossless_and_drafts_below_depth_1_through_it(both_targets, tree):
+    """``chain_g``: nodes below depth 1 (children of chain states) go through a ``g`` and output norms
+    of their own, the first draft through the network's. Greedy output equals `ar` over two decode
+    calls, with reuse and a graft; with different weights in the chain's copy, the same round's tree
+    keeps its depth-1 drafts and changes below them."""
+    cfg, params = both_targets
+    prompts = prompts_of(15, cfg.vocab_size, 3)
+    want = run_engine(cfg, params, prompts, 30)
+    plain, plain_params = feature_drafter(cfg, params, "hsd", seed=7, policy="reuse", lookup=3, **tree)
+    own = dataclasses.replace(plain, cfg=dataclasses.replace(plain.cfg, chain_g=True))
+    net = plain_params["net"]
+    side = {k: v[:, ::-1] if k == "g_out" else -v if k == "out_norm" else v for k, v in net.items() if k in OUTPUT_SIDE}
+    dparams = dict(plain_params, net={**net, "chain_output": side})
+    rows, state = run_engine(cfg, params, prompts, 30, drafter=own, dparams=dparams, chunks=[4, 30],
+                             return_state=True)
+    assert rows == want
+    if plain.depth == 1:
+        return
+    fresh = state.draft.replace(n_chain=jnp.ones_like(state.draft.n_chain))  # every chain state drafted anew
+    gen = state.gen.replace(done=jnp.zeros_like(state.gen.done))
+    trees = [d.propose(p, fresh, gen)[0] for d, p in ((plain, plain_params), (own, dparams))]
+    depth, valid = np.asarray(trees[0].depth), np.asarray(trees[0].valid)
+    tokens = [np.asarray(t.tokens) for t in trees]
+    first = (depth == 1) & valid
+    assert first.any() and np.array_equal(tokens[0][first], tokens[1][first])
+    assert not np.array_equal(tokens[0][depth > 1], tokens[1][depth > 1])
+
+
+@pytest.mark.parametrize("added", ["root_token", "chain_layer", "chain_g"])
 def test_a_grown_plain_hsd_drafts_what_it_drafted(target, added):
     """The warm starts that add ``root_token`` (``fc`` passes the feature through, the token weights
-    start at zero) or ``chain_layer`` (a copy of the layer) to a trained `hsd` propose exactly the trees
-    of the drafter they start from."""
+    start at zero), ``chain_layer`` (a copy of the layer) or ``chain_g`` (a copy of g and the norms) to
+    a trained `hsd` propose exactly the trees of the drafter they start from."""
     from hsdjax.drafters.checkpoint import grow_plain_hsd
 
     cfg, params = target
@@ -218,7 +248,7 @@ def test_a_grown_plain_hsd_drafts_what_it_drafted(target, added):
     grown = dataclasses.replace(plain, cfg=dataclasses.replace(plain.cfg, **{added: True}))
     net, differ = grow_plain_hsd(plain_params["net"], grown.cfg, {added: (False, True), "mlp": (64, 32)})
     assert differ == {"mlp": (64, 32)}  # what cannot be grown is left for the caller to refuse
-    assert set(net) - set(plain_params["net"]) == {"fc" if added == "root_token" else "chain"}
+    assert set(net) - set(plain_params["net"]) == {{"root_token": "fc", "chain_layer": "chain"}.get(added, "chain_output")}
     dparams = dict(plain_params, net=jax.tree_util.tree_map(jnp.asarray, net))
     runs = [run_engine(cfg, params, prompts, 24, drafter=d, dparams=p, return_state=True)
             for d, p in ((plain, plain_params), (grown, dparams))]

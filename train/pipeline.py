@@ -21,7 +21,8 @@ import numpy as np
 from hsdjax.errors import HsdjaxError
 
 DRAFTER_DEFAULTS = {"mlp": 768, "vocab": 4096, "injection": "mlp", "inject_tokens": 2, "inject_hidden": 0,
-                    "head_delta": False, "width": 0, "root_token": False, "chain_layer": False}
+                    "head_delta": False, "width": 0, "root_token": False, "chain_layer": False,
+                    "chain_g": False}
 
 
 def drafter_heads(mc: Any, width: int) -> tuple[int, int]:
@@ -70,7 +71,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if cfg.get("drafter", {}).get("inject_tokens", 2) > 2:  # g sees a node's token and its parent's
         raise HsdjaxError(f"{path}: drafter inject_tokens must be 1 or 2 (the node's token, and its parent's)")
     hsd_only = {"root_token": "eagle's inputs always carry the next token",
-                "chain_layer": "eagle's chain steps read a token, so its one layer sees no predicted state alone"}
+                "chain_layer": "eagle's chain steps read a token, so its one layer sees no predicted state alone",
+                "chain_g": "eagle has no g: its tokens enter through the layer's input"}
     for key, why in hsd_only.items():
         value = cfg.get("drafter", {}).get(key, False)
         if not isinstance(value, bool):
@@ -237,7 +239,7 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
                        injection=dcfg["injection"], inject_tokens=int(dcfg["inject_tokens"]),
                        inject_hidden=int(dcfg["inject_hidden"]),
                        head_delta=bool(dcfg["head_delta"]), root_token=bool(dcfg["root_token"]),
-                       chain_layer=bool(dcfg["chain_layer"]), eps=mc.rms_norm_eps,
+                       chain_layer=bool(dcfg["chain_layer"]), chain_g=bool(dcfg["chain_g"]), eps=mc.rms_norm_eps,
                        rope_theta=mc.rope_theta)
     init_params, started_from = None, None
     if init_path is not None:  # continue from a trained drafter: its weights and its draft vocabulary

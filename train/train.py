@@ -108,7 +108,7 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
     if "noise_key" in batch:  # training with feature noise
         inputs = add_feature_noise(inputs, batch["noise_key"], opts["feature_noise"])
     feats = call(FeatureDrafterNet.fuse_states, inputs)
-    emb = lambda ids: call(FeatureDrafterNet.embed, frozen["embed"], ids)  # noqa: E731
+    emb = lambda ids, chain=False: call(FeatureDrafterNet.embed, frozen["embed"], ids, chain)  # noqa: E731
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     i = jnp.arange(t)
     mask = (i[None, :, None] >= i[None, None, :]) & (doc[:, :, None] == doc[:, None, :])
@@ -131,12 +131,13 @@ def rollout_loss(params: Any, batch: dict[str, Array], frozen: dict[str, Array],
         ok = (_shift(doc, s, -1) == doc) & (i[None, :] + s < t)
         w = _shift(weight, s) * ok
         if cfg.method == "hsd":
-            path = jnp.stack([_shift(tokens, s), _shift(tokens, s - 1)], axis=-1)[..., : cfg.inject_tokens]
+            chain = s > 1  # a chain state (``chain_g``: its own g and norms)
+            path = emb(jnp.stack([_shift(tokens, s), _shift(tokens, s - 1)], axis=-1)[..., : cfg.inject_tokens], chain)
             context = None
             if cfg.injection == "attn":  # g reads the true context (up to t) at the injected token's position
-                query = call(FeatureDrafterNet.inject_query, out, emb(path), pos + s)
+                query = call(FeatureDrafterNet.inject_query, out, path, pos + s, chain)
                 context = rollout_attention(query, k_true, v_true, mask, [], [])
-            logits = call(FeatureDrafterNet.logits, call(FeatureDrafterNet.inject, out, emb(path), context), head)
+            logits = call(FeatureDrafterNet.logits, call(FeatureDrafterNet.inject, out, path, context, chain), head, chain)
         else:
             logits = call(FeatureDrafterNet.logits, out, head)
         logp = jax.nn.log_softmax(logits, axis=-1)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from hsdjax.drafters.feature import HEAD_DELTA, FeatureConfig, draft_head, pack_for_cpu
+from hsdjax.drafters.feature import HEAD_DELTA, OUTPUT_SIDE, FeatureConfig, draft_head, pack_for_cpu
 from hsdjax.errors import HsdjaxError
 from hsdjax.weights import flatten, unflatten
 
@@ -100,9 +100,9 @@ def warm_start(path: str | Path, cfg: FeatureConfig, layers: tuple[int, ...], ta
                ) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
     """(vocab ids, params, metadata) of a checkpoint that training continues from (the train setting
     ``init``): it must be a drafter of the same shape, reading the same layers of the same target. A
-    plain ``hsd`` may start an ``hsd`` that adds ``root_token`` (``root_token_passthrough``) or
-    ``chain_layer`` (the chain's layer starts as a copy of the one layer): either starts computing
-    exactly what the plain drafter computed."""
+    plain ``hsd`` may start an ``hsd`` that adds ``root_token`` (``root_token_passthrough``),
+    ``chain_layer`` (the chain's layer starts as a copy of the one layer) or ``chain_g`` (the chain's
+    output side a copy of the network's): each starts computing exactly what the plain drafter computed."""
     path = Path(path)
     if path.is_file():
         _check_target(path, read_meta(path), target)
@@ -122,8 +122,9 @@ def warm_start(path: str | Path, cfg: FeatureConfig, layers: tuple[int, ...], ta
 def grow_plain_hsd(net: dict[str, Any], cfg: FeatureConfig, differ: dict[str, tuple[Any, Any]]
                    ) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
     """A trained ``hsd`` network grown into ``cfg``'s where ``cfg`` adds ``root_token`` (``fc`` passes
-    the feature through, ``root_token_passthrough``) or ``chain_layer`` (the chain's layer starts as
-    a copy of the one layer): either way it computes exactly what it did. Returns the network and the
+    the feature through, ``root_token_passthrough``), ``chain_layer`` (the chain's layer starts as
+    a copy of the one layer) or ``chain_g`` (the chain's ``g`` and norms start as copies of the
+    network's): either way it computes exactly what it did. Returns the network and the
     settings that still differ (``differ``: setting -> (the checkpoint's value, ``cfg``'s))."""
     differ = dict(differ)
     if cfg.method != "hsd":
@@ -134,6 +135,9 @@ def grow_plain_hsd(net: dict[str, Any], cfg: FeatureConfig, differ: dict[str, tu
     if differ.get("chain_layer") == (False, True):
         net = {**net, "chain": dict(net["layer"])}
         del differ["chain_layer"]
+    if differ.get("chain_g") == (False, True):
+        net = {**net, "chain_output": {k: net[k] for k in OUTPUT_SIDE if k in net}}
+        del differ["chain_g"]
     return net, differ
 
 

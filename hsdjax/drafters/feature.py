@@ -71,6 +71,7 @@ class FeatureConfig:
     width: int = 0  # the drafter's own width W (0: the target's E); W < E adds ``lift`` [W, E] before the head
     root_token: bool = False  # hsd: verified inputs carry the next token (known once verified), as eagle's do
     chain_layer: bool = False  # hsd: the chain's own steps run a second layer; the first reads verified inputs only
+    chain_g: bool = False  # hsd: nodes below depth 1 (the chain's states) get a g and output norms of their own
     eps: float = 1e-5
     rope_theta: float = 10000.0
 
@@ -186,6 +187,44 @@ class DraftLayer(nn.Module):
         return self.finish(x, q)
 
 
+def output_side(mod: nn.Module, c: FeatureConfig) -> dict[str, Any]:
+    """The weights between a drafter state and its draft logits, created on ``mod``: the token
+    embeddings' norm, the head's norm and, for ``hsd``, ``g`` in its form (``injection``). The network
+    holds one set; with ``chain_g`` the chain's states use a second (``ChainOutput``)."""
+    e, w = c.hidden, c.state_width
+    side = {"emb_norm": mod.param("emb_norm", nn.initializers.ones, (e,)),
+            "out_norm": mod.param("out_norm", nn.initializers.ones, (e,))}
+    if c.method == "eagle":
+        return side  # no g: eagle's tokens enter through fc alone
+    if c.injection in ("mlp", "attn"):
+        side["g_in"] = _matrix(mod, "g_in", _init(), (w + c.inject_tokens * e, c.g_hidden))
+        side["g_out"] = _matrix(mod, "g_out", _init(0.01), (c.g_hidden, w))
+        if c.injection == "attn":
+            side["g_q"] = _matrix(mod, "g_q", _init(), (w + c.inject_tokens * e, c.heads * c.head_dim))
+            side["g_o"] = _matrix(mod, "g_o", _init(0.01), (c.heads * c.head_dim, w))
+    elif c.injection == "film":
+        width = c.inject_tokens * e
+        side["g_scale"] = _matrix(mod, "g_scale", _init(0.01), (width, w))
+        side["g_shift"] = _matrix(mod, "g_shift", _init(0.01), (width, w))
+    else:
+        raise ValueError(f"unknown injection {c.injection!r}")
+    return side
+
+
+OUTPUT_SIDE = ("emb_norm", "out_norm", "g_in", "g_out", "g_q", "g_o", "g_scale", "g_shift")  # ``output_side``'s names
+
+
+class ChainOutput(nn.Module):
+    """``chain_g``: the output side (``output_side``) of the chain's own states, i.e. of tree nodes below
+    depth 1; the first draft keeps the network's, so each is trained for one kind of state."""
+
+    cfg: FeatureConfig
+
+    @nn.compact
+    def __call__(self) -> dict[str, Any]:
+        return output_side(self, self.cfg)
+
+
 class FeatureDrafterNet(nn.Module):
     """Parameters and pieces of a feature drafter; the drafters call its methods via ``apply``."""
 
@@ -196,29 +235,16 @@ class FeatureDrafterNet(nn.Module):
         e, w = c.hidden, c.state_width  # target states and token embeddings are E wide; the drafter's own W
         self.fuse_norm = self.param("fuse_norm", nn.initializers.ones, (c.fused, e))
         self.fuse = _matrix(self, "fuse", _init(), (c.fused * e, w))
-        self.emb_norm = self.param("emb_norm", nn.initializers.ones, (e,))
-        self.out_norm = self.param("out_norm", nn.initializers.ones, (e,))
+        self.side = output_side(self, c)
         if c.narrow:
             self.lift = _matrix(self, "lift", _init(), (w, e))
         self.layer = DraftLayer(c)
         if c.chain_layer:
             self.chain = DraftLayer(c)
+        if c.chain_g:
+            self.chain_output = ChainOutput(c)
         if c.token_input:
             self.fc = _matrix(self, "fc", _init(), (w + e, w))
-        if c.method == "eagle":
-            return  # no g: eagle's tokens enter through fc alone
-        if c.injection in ("mlp", "attn"):
-            self.g_in = _matrix(self, "g_in", _init(), (w + c.inject_tokens * e, c.g_hidden))
-            self.g_out = _matrix(self, "g_out", _init(0.01), (c.g_hidden, w))
-            if c.injection == "attn":
-                self.g_q = _matrix(self, "g_q", _init(), (w + c.inject_tokens * e, c.heads * c.head_dim))
-                self.g_o = _matrix(self, "g_o", _init(0.01), (c.heads * c.head_dim, w))
-        elif c.injection == "film":
-            width = c.inject_tokens * e
-            self.g_scale = _matrix(self, "g_scale", _init(0.01), (width, w))
-            self.g_shift = _matrix(self, "g_shift", _init(0.01), (width, w))
-        else:
-            raise ValueError(f"unknown injection {c.injection!r}")
 
     # -- inputs
     def fuse_states(self, states: Float[Array, "... F E"]) -> Float[Array, "... W"]:
@@ -226,8 +252,14 @@ class FeatureDrafterNet(nn.Module):
         y = rms_norm(states, self.fuse_norm, self.cfg.eps)
         return matmul(y.reshape(*y.shape[:-2], -1), self.fuse)
 
-    def embed(self, embed_table: Float[Array, "V E"], tokens: Int[Array, "..."]) -> Float[Array, "... E"]:
-        return rms_norm(jnp.take(embed_table, tokens, axis=0), self.emb_norm, self.cfg.eps)
+    def _side(self, chain: bool) -> dict[str, Any]:
+        """The output side for the chain's states (``chain``) or the first draft's: the same one
+        without ``chain_g``."""
+        return self.chain_output() if chain and self.cfg.chain_g else self.side
+
+    def embed(self, embed_table: Float[Array, "V E"], tokens: Int[Array, "..."], chain: bool = False
+              ) -> Float[Array, "... E"]:
+        return rms_norm(jnp.take(embed_table, tokens, axis=0), self._side(chain)["emb_norm"], self.cfg.eps)
 
     def eagle_input(self, feature: Float[Array, "... W"], token_emb: Float[Array, "... E"]) -> Float[Array, "... W"]:
         return matmul(jnp.concatenate([feature, token_emb], axis=-1), self.fc)
@@ -256,34 +288,35 @@ class FeatureDrafterNet(nn.Module):
         return jnp.concatenate([rms_norm(state, jnp.ones((state.shape[-1],), state.dtype), self.cfg.eps), flat], axis=-1)
 
     def inject_query(self, state: Float[Array, "B T W"], token_embs: Float[Array, "B T N E"],
-                     positions: Int[Array, "B T"]) -> Float[Array, "B T H D"]:
+                     positions: Int[Array, "B T"], chain: bool = False) -> Float[Array, "B T H D"]:
         """``attn`` injection: the query [B, T, H, D] of the context read, at the injected token's position."""
         c = self.cfg
         b, t = state.shape[:2]
-        q = matmul(self._g_input(state, token_embs), self.g_q).reshape(b, t, c.heads, c.head_dim)
+        q = matmul(self._g_input(state, token_embs), self._side(chain)["g_q"]).reshape(b, t, c.heads, c.head_dim)
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
         return apply_rope(q, cos, sin)
 
     def inject(self, state: Float[Array, "... W"], token_embs: Float[Array, "... N E"],
-               context: Float[Array, "... H D"] | None = None) -> Float[Array, "... W"]:
+               context: Float[Array, "... H D"] | None = None, chain: bool = False) -> Float[Array, "... W"]:
         """``g``: a predicted state plus the embeddings of the path's last tokens (newest first); with
-        ``attn`` injection also ``context``, the attention read of ``inject_query``'s query."""
-        c = self.cfg
+        ``attn`` injection also ``context``, the attention read of ``inject_query``'s query. ``chain``:
+        for a chain state (a node below depth 1), through ``chain_g``'s weights when the drafter has them."""
+        c, side = self.cfg, self._side(chain)
         if c.injection in ("mlp", "attn"):
-            out = state + matmul(jax.nn.silu(matmul(self._g_input(state, token_embs), self.g_in)), self.g_out)
+            out = state + matmul(jax.nn.silu(matmul(self._g_input(state, token_embs), side["g_in"])), side["g_out"])
             if c.injection == "attn":
-                out = out + matmul(context.reshape(*context.shape[:-2], -1), self.g_o)
+                out = out + matmul(context.reshape(*context.shape[:-2], -1), side["g_o"])
             return out
         flat = token_embs.reshape(*token_embs.shape[:-2], -1)
-        return state * (1 + jnp.tanh(matmul(flat, self.g_scale))) + matmul(flat, self.g_shift)
+        return state * (1 + jnp.tanh(matmul(flat, side["g_scale"]))) + matmul(flat, side["g_shift"])
 
     def to_target(self, state: Float[Array, "... W"]) -> Float[Array, "... E"]:
         """A drafter state in the target's width (``lift``; the state itself when W = E)."""
         return matmul(state, self.lift) if self.cfg.narrow else state
 
-    def logits(self, state: Float[Array, "... W"], head: Any) -> Float[Array, "... V"]:
-        """Draft-vocabulary logits through the target's frozen head rows."""
-        y = rms_norm(self.to_target(state), self.out_norm, self.cfg.eps)
+    def logits(self, state: Float[Array, "... W"], head: Any, chain: bool = False) -> Float[Array, "... V"]:
+        """Draft-vocabulary logits through the target's frozen head rows (``chain``: see ``inject``)."""
+        y = rms_norm(self.to_target(state), self._side(chain)["out_norm"], self.cfg.eps)
         if head.ndim == 3:  # the panels of head.T (``pack_for_cpu``)
             return panel_matmul(y, head)
         return jnp.einsum("...e,ve->...v", y, head, preferred_element_type=jnp.float32)
@@ -297,8 +330,9 @@ class FeatureDrafterNet(nn.Module):
         if self.cfg.chain_layer:
             out = self.chain_finish(out, self.chain_project(out, positions)[0])
         if self.cfg.method == "hsd":
-            context = self.inject_query(out, tokens_emb, positions) if self.cfg.injection == "attn" else None
-            out = self.inject(out, tokens_emb, context)
+            for chain in (False, True) if self.cfg.chain_g else (False,):
+                context = self.inject_query(out, tokens_emb, positions, chain) if self.cfg.injection == "attn" else None
+                out = self.inject(out, tokens_emb, context, chain)
         return self.to_target(out)
 
 

@@ -10,7 +10,8 @@ After verification accepts ``a`` drafts, the verified states are ingested (one l
 last output is a fresh guess for the new root position; with ``root_token`` each verified position's
 input also carries its next token, known once verified, the new root included, as ``eagle``'s does,
 while the chain's own steps stay token-free; with ``chain_layer`` those steps run a second layer of
-their own, so the first is trained on verified inputs alone) and the chain is shifted by ``a + 1``: its
+their own, so the first is trained on verified inputs alone; with ``chain_g`` the nodes below depth 1,
+which read chain states, go through a ``g`` and output norms of their own) and the chain is shifted by ``a + 1``: its
 states beyond the accepted path are still guesses for the positions that follow, so the next round
 reuses them and only extends the chain by the missing depths (the fresh root state's keys replace
 those of the old guess it stands in for, as in training, where each rollout step attends to the keys
@@ -116,16 +117,18 @@ class HSDDrafter(FeatureDrafter):
         embed, head = dparams["embed"], dparams["head"]
 
         def inject_logp(state_vec, tokens, parent_tokens, d):  # [B, E], [B, K], [B, K] -> [B, K, V]
+            chain = d > 0  # a chain state's node (``chain_g``: its own g and norms)
             toks = jnp.stack([tokens, parent_tokens], axis=-1)[..., : self.cfg.inject_tokens]
-            embs = net.apply({"params": p}, embed, toks, method=FeatureDrafterNet.embed)
+            embs = net.apply({"params": p}, embed, toks, chain, method=FeatureDrafterNet.embed)
             s = jnp.broadcast_to(state_vec[:, None, :], (*tokens.shape, state_vec.shape[-1]))
             context = None
             if self.cfg.injection == "attn":  # the tokens sit at position ctx.len + d (chain[d]'s)
                 pos = jnp.broadcast_to((state.ctx["len"] + d)[:, None], tokens.shape)
-                q = net.apply({"params": p}, s, embs, pos, method=FeatureDrafterNet.inject_query)
+                q = net.apply({"params": p}, s, embs, pos, chain, method=FeatureDrafterNet.inject_query)
                 context = context_read(q, state.ctx, self.attention)
-            g = net.apply({"params": p}, s, embs, context, method=FeatureDrafterNet.inject)
-            return jax.nn.log_softmax(net.apply({"params": p}, g, head, method=FeatureDrafterNet.logits), axis=-1)
+            g = net.apply({"params": p}, s, embs, context, chain, method=FeatureDrafterNet.inject)
+            return jax.nn.log_softmax(net.apply({"params": p}, g, head, chain, method=FeatureDrafterNet.logits),
+                                      axis=-1)
 
         first = inject_logp(state.chain[:, 0], root[:, None], prev[:, None], 0)[:, 0]
         grow = active
