@@ -302,8 +302,8 @@ def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
     assert warm["history"][-1]["loss"] < cold["history"][-1]["loss"]
 
     # growing a trained hsd (root_token: token weights at zero; chain_layer: the chain's layer a copy of the
-    # one layer) starts where the drafter was
-    for added in ("root_token", "chain_layer"):
+    # one layer; chain_g: the chain's g and norms copies) starts where the drafter was
+    for added in ("root_token", "chain_layer", "chain_g"):
         grown_fc = FeatureConfig(**{**fc.to_json(), added: True})
         _, grown_net, _ = warm_start(path, grown_fc, layers[:-1], target)
         grown = train(grown_fc, data, frozen_rev, got_vocab, still, tmp_path / added, progress=False,
@@ -323,32 +323,39 @@ def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
               init_params=dict(list(net.items())[1:]))
 
 
-def test_the_chain_layer_is_trained_by_the_rollout_steps_alone(recorded):
-    """With ``chain_layer``, rollout step 1 (verified inputs) trains the first layer and steps 2+ (the
-    drafter's own states) the second: at rollout 1 no gradient reaches the chain's layer, at rollout 2
-    it does; the chain's layer changes step 2's loss but not step 1's. With ``detach_chain`` the first
-    layer and the fusion get step 1's gradient alone."""
+def chain_training_setup(recorded, **settings):
+    """(config, batch, frozen pieces, fresh params, loss options) of a tiny `hsd` with ``settings``."""
     import jax.numpy as jnp
 
     from hsdjax.drafters.feature import init_net
-    from hsdjax.train.train import rollout_loss
 
     params, layers, prompts, data = recorded
     fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
-                       rope_theta=CFG.rope_theta, chain_layer=True)
+                       rope_theta=CFG.rope_theta, **settings)
     vocab_ids, frozen = frozen_pieces(params, data, fc)
     vocab_map = np.full(CFG.vocab_size, -1, np.int64)
     vocab_map[vocab_ids] = np.arange(len(vocab_ids))
     windows = WindowData(data, vocab_map, 32, 0.1, np.unique(data["doc"]))
     batch = jax.tree_util.tree_map(jnp.asarray, windows.batch(windows.starts[:4]))
-    net = init_net(fc, 0)
-    opts = dict(step_decay=0.8, ce_weight=1.0, reg_weight=0.2, feature_noise=0.0)
+    return fc, batch, frozen, init_net(fc, 0), dict(step_decay=0.8, ce_weight=1.0, reg_weight=0.2, feature_noise=0.0)
+
+
+def sum_of_squares(tree):
+    return sum(float(np.sum(np.square(np.asarray(a)))) for a in jax.tree_util.tree_leaves(tree))
+
+
+def test_the_chain_layer_is_trained_by_the_rollout_steps_alone(recorded):
+    """With ``chain_layer``, rollout step 1 (verified inputs) trains the first layer and steps 2+ (the
+    drafter's own states) the second: at rollout 1 no gradient reaches the chain's layer, at rollout 2
+    it does; the chain's layer changes step 2's loss but not step 1's. With ``detach_chain`` the first
+    layer and the fusion get step 1's gradient alone."""
+    from hsdjax.train.train import rollout_loss
+
+    fc, batch, frozen, net, opts = chain_training_setup(recorded, chain_layer=True)
+    norm = sum_of_squares
 
     def grads(rollout):
         return jax.grad(lambda p: rollout_loss(p, batch, frozen, fc, dict(opts, rollout=rollout))[0])(net)
-
-    def norm(tree):
-        return sum(float(jnp.sum(jnp.square(a))) for a in jax.tree_util.tree_leaves(tree))
 
     one, two = grads(1), grads(2)
     assert norm(one["chain"]) == 0 and norm(one["layer"]) > 0
@@ -361,6 +368,32 @@ def test_the_chain_layer_is_trained_by_the_rollout_steps_alone(recorded):
     assert not np.allclose(first(one)["layer"]["wq"], first(two)["layer"]["wq"], rtol=1e-3)
     assert all(norm(g) > 0 for g in cut["chain"].values())
     moved = dict(net, chain=jax.tree_util.tree_map(lambda a: a * 1.5 if a.ndim == 2 else a, net["chain"]))
+    metrics = [rollout_loss(p, batch, frozen, fc, dict(opts, rollout=2))[1] for p in (net, moved)]
+    assert float(metrics[0]["acc_ce1"]) == float(metrics[1]["acc_ce1"])
+    assert float(metrics[0]["acc_ce2"]) != float(metrics[1]["acc_ce2"])
+
+
+def test_with_chain_g_and_detach_chain_the_first_draft_is_trained_as_at_rollout_1(recorded):
+    """``chain_g`` gives the chain's states a ``g`` and norms of their own; with ``chain_layer`` and
+    ``detach_chain`` every weight the first draft reads (fusion, first layer, ``g``, norms) then gets
+    rollout 1's gradient, and the chain's output side is trained by steps 2+ alone."""
+    from hsdjax.train.train import rollout_loss
+
+    fc, batch, frozen, net, opts = chain_training_setup(recorded, chain_layer=True, chain_g=True)
+    assert set(net["chain_output"]) == {"emb_norm", "out_norm", "g_in", "g_out"}
+
+    def grads(rollout, **more):
+        return jax.grad(lambda p: rollout_loss(p, batch, frozen, fc, dict(opts, rollout=rollout, **more))[0])(net)
+
+    one, cut = grads(1), grads(3, detach_chain=True)
+    assert sum_of_squares(one["chain_output"]) == 0
+    assert all(sum_of_squares(g) > 0 for g in cut["chain_output"].values())
+    first_draft = sorted(set(net) - {"chain", "chain_output"})
+    assert {"g_in", "g_out", "out_norm", "emb_norm", "layer", "fuse"} <= set(first_draft)
+    for name in first_draft:
+        for a, b in zip(jax.tree_util.tree_leaves(one[name]), jax.tree_util.tree_leaves(cut[name])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8, err_msg=name)
+    moved = dict(net, chain_output={k: v * 1.5 for k, v in net["chain_output"].items()})
     metrics = [rollout_loss(p, batch, frozen, fc, dict(opts, rollout=2))[1] for p in (net, moved)]
     assert float(metrics[0]["acc_ce1"]) == float(metrics[1]["acc_ce1"])
     assert float(metrics[0]["acc_ce2"]) != float(metrics[1]["acc_ce2"])
@@ -396,12 +429,13 @@ def test_a_misspelt_config_setting_is_refused_not_ignored(tmp_path):
     path.write_text(json.dumps({**good, "method": "eagle", "drafter": {"root_token": True}}))
     with pytest.raises(HsdjaxError, match="root_token is an hsd setting"):
         read_config(path)
-    path.write_text(json.dumps({**good, "drafter": {"chain_layer": 1}}))
-    with pytest.raises(HsdjaxError, match="chain_layer must be true or false"):
-        read_config(path)
-    path.write_text(json.dumps({**good, "method": "eagle", "drafter": {"chain_layer": True}}))
-    with pytest.raises(HsdjaxError, match="chain_layer is an hsd setting"):
-        read_config(path)
+    for key in ("chain_layer", "chain_g"):
+        path.write_text(json.dumps({**good, "drafter": {key: 1}}))
+        with pytest.raises(HsdjaxError, match=f"{key} must be true or false"):
+            read_config(path)
+        path.write_text(json.dumps({**good, "method": "eagle", "drafter": {key: True}}))
+        with pytest.raises(HsdjaxError, match=f"{key} is an hsd setting"):
+            read_config(path)
     path.write_text(json.dumps({**good, "drafter": {"chain_layer": True, "root_token": True},
                                 "train": {"detach_chain": True}}))
     assert read_config(path)["train"]["detach_chain"] is True
