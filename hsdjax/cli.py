@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start the data at index N of the config's prompt sequence (its own data folder): a "
                          "slice a drafter trained on the sequence's beginning has not seen; overrides "
                          "data.first_prompt")
+    tr.add_argument("--data-tokens", type=_int_at_least(1, 1_000_000_000), default=None, metavar="N",
+                    help="train on the data folder's first shards only, whole shards up to N tokens (e.g. the "
+                         "data_tokens an earlier run recorded, to compare with it while the folder grows: the "
+                         "held-out tail is then that run's too)")
     add_mesh_args(tr)
 
     k = sub.add_parser("cpu-matmul", help="build or check hsdjax's optional CPU matmul kernel (needs a C++ compiler)")
@@ -325,7 +329,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     # the target is sharded over --mesh for data generation; the drafter trains data-parallel over its data axis
     summary = run(args.config, stage=args.stage, out=args.out, token_budget=args.token_budget,
                   max_steps=args.max_steps, epochs=args.epochs, log=_log, mesh=mesh_from_args(args),
-                  init=args.init, new_data_only=args.new_data_only, first_prompt=args.first_prompt)
+                  init=args.init, new_data_only=args.new_data_only, first_prompt=args.first_prompt,
+                  data_tokens=args.data_tokens)
     print(json.dumps(summary.get("checkpoint", summary["data"])))
     return 0
 

@@ -240,7 +240,8 @@ def test_multi_turn_prompts_become_one_document(params, tmp_path):
 
 def test_load_shards_can_leave_out_the_data_a_warm_start_has_seen(params, tmp_path):
     """``skip_answers``: whole shards holding any of the first N answer tokens are left out; what is kept is
-    the same documents, in order, as the tail of the whole folder; past the end is a clear error."""
+    the same documents, in order, as the tail of the whole folder; past the end is a clear error. And
+    ``limit_tokens`` keeps the first whole shards."""
     cfg = dict(CFG_DATA, shard_tokens=60, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(14, seed=3)))
     man = generate_data(tiny_model(params), cfg, tmp_path / "data", progress=False)
     shards = man["shards"]
@@ -257,6 +258,14 @@ def test_load_shards_can_leave_out_the_data_a_warm_start_has_seen(params, tmp_pa
         assert tail["doc"][0] == 0 and np.array_equal(np.diff(tail["doc"]), np.diff(whole["doc"][tokens:]))
     with pytest.raises(HsdjaxError, match="no shard lies past"):
         load_shards(tmp_path / "data", skip_answers=int(man["answer_tokens"]))
+    # ``limit_tokens`` (--data-tokens): the first whole shards only, and the manifest says where they end
+    two = sum(int(s["tokens"]) for s in shards[:2])
+    for limit in (two, two - 1):
+        head = load_shards(tmp_path / "data", limit_tokens=limit)
+        assert np.array_equal(head["tokens"], whole["tokens"][:two])
+        assert head["manifest"]["tokens"] == two
+        assert head["manifest"]["answer_tokens"] == sum(int(s["answer_tokens"]) for s in shards[:2])
+    assert whole["manifest"]["tokens"] == man["tokens"]
 
 
 def test_first_prompt_starts_a_new_slice_of_the_same_stream(params, tmp_path):

@@ -635,7 +635,8 @@ def flatten_recorded(state: Any, prompt_lens: list[int]) -> dict[str, np.ndarray
 def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int = 0) -> dict[str, np.ndarray]:
     """All shards of a data folder as one flat stream; ``states`` as bfloat16 [N, F, E].
 
-    ``skip_answers``: leave out every shard that holds any of the folder's first ``skip_answers`` answer
+    ``limit_tokens``: the first shards only, whole shards until they hold at least that many tokens (the
+    manifest copy's ``tokens`` and ``answer_tokens`` then say where they end). ``skip_answers``: leave out every shard that holds any of the folder's first ``skip_answers`` answer
     tokens (whole shards); the manifest copy then records ``skipped_tokens`` and ``skipped_answers``, and
     ``prompt_span``: the first and last stream index of the prompts in the shards loaded.
 
@@ -677,6 +678,9 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
         at += n
     data["states"] = data["states"].view(ml_dtypes.bfloat16)
     indices = [i for shard in shards for i in shard.get("prompts", [])]  # format 1 shards list none
+    if limit_tokens:  # where in the sequence the loaded data end (not the folder)
+        man = {**man, "tokens": skipped + total,
+               "answer_tokens": skipped_answers + sum(int(shard["answer_tokens"]) for shard in shards)}
     data["manifest"] = {**man, "skipped_tokens": skipped, "skipped_answers": skipped_answers,
                         "prompt_span": [min(indices), max(indices)] if indices else None}
     return data

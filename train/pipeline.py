@@ -101,10 +101,11 @@ def data_folder(model: Any, data_cfg: dict[str, Any]) -> Path:
 def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, token_budget: int | None = None,
         max_steps: int | None = None, epochs: float | None = None, progress: bool = True, log: Any = print,
         mesh: Any = None, init: str | None = None, new_data_only: bool = False,
-        first_prompt: int | None = None) -> dict[str, Any]:
+        first_prompt: int | None = None, data_tokens: int | None = None) -> dict[str, Any]:
     """Run the stages of a config; returns a summary (data folder, checkpoint path, history).
 
-    ``first_prompt`` overrides ``data.first_prompt`` (see ``hsdjax.train.datagen``).
+    ``first_prompt`` overrides ``data.first_prompt`` (see ``hsdjax.train.datagen``). ``data_tokens``:
+    train on the folder's first shards only, whole shards up to that many tokens.
 
     ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, or None for one device): the target is
     sharded over it for data generation (``load_model(..., mesh=)``) and the drafter trains
@@ -135,7 +136,7 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
     if stage in ("train", "all"):
         summary.update(train_from_config(cfg, model, folder, out=out, max_steps=max_steps, epochs=epochs,
                                          progress=progress, log=log, mesh=mesh, init=init,
-                                         new_data_only=new_data_only))
+                                         new_data_only=new_data_only, data_tokens=data_tokens))
     return summary
 
 
@@ -192,7 +193,8 @@ def seen_data_note(init_info: dict[str, Any], data_cfg: dict[str, Any], answers:
 
 def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str | None, max_steps: int | None,
                       epochs: float | None, progress: bool, log: Any, mesh: Any = None,
-                      init: str | None = None, new_data_only: bool = False) -> dict[str, Any]:
+                      init: str | None = None, new_data_only: bool = False, data_tokens: int | None = None
+                      ) -> dict[str, Any]:
     """Train the config's drafter on the data in ``folder`` (data-parallel over ``mesh``) and export it.
 
     ``new_data_only``: with a warm start, train on the shards past the checkpoint's own data alone (the
@@ -221,7 +223,7 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
         if skip is None:
             raise HsdjaxError(f"--new-data-only: cannot tell which data {init_path.name} has seen (it was trained "
                               "on other data settings, or its checkpoint has no record of them)")
-    data = load_shards(folder, skip_answers=skip)
+    data = load_shards(folder, limit_tokens=data_tokens, skip_answers=skip)
     man = data.pop("manifest")
     if skip:
         log(f"--new-data-only: leaving out the first {man['skipped_tokens']} tokens ({man['skipped_answers']} "
