@@ -8,6 +8,10 @@ acceptance matches the training metric's step 1 on the same text, inference repr
 acceptance is limited by the drafter itself:
 
     python benchmarks/drafter_gap.py --method hsd --limit 2 --max-new-tokens 128 [--drafter PATH]
+
+It also splits the first draft's acceptance by what the round before emitted (one token: its draft
+was rejected; two: accepted), in the loop (``accept_lengths``) and in the training metric replayed as
+the loop's rounds (``replayed_split``): a split that differs between the two points at inference.
 """
 
 from __future__ import annotations
@@ -21,6 +25,33 @@ import numpy as np
 EVAL = "../shared/data/eval/"
 SETS = ("mt_bench", "gsm8k", "humaneval", "alpaca")
 OPTS = {"rollout": 4, "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "feature_noise": 0.0}
+
+
+def replayed_split(correct: np.ndarray) -> tuple[list[int], list[int]]:
+    """The depth-1 loop replayed on the training metric: ``correct[t]`` says whether the draft made at
+    position t (for the token at t + 2) is right. A round whose root sits at r uses the draft made at
+    r - 1 and moves the root by 2 when it is right, else by 1. Returns (hits, rounds) after a round that
+    emitted one token and after one that emitted two."""
+    hits, rounds = [0, 0], [0, 0]
+    r, last = 1, 1  # the first round follows the prefill, which emitted one token
+    while r - 1 < len(correct):
+        ok = bool(correct[r - 1])
+        rounds[last - 1] += 1
+        hits[last - 1] += ok
+        last = 2 if ok else 1
+        r += last
+    return hits, rounds
+
+
+def loop_split(accept_lengths: list[int]) -> tuple[list[int], list[int]]:
+    """The same split from the loop's own rounds (tokens emitted per round, depth 1: 1 or 2)."""
+    hits, rounds = [0, 0], [0, 0]
+    last = 1
+    for n in accept_lengths:
+        rounds[last - 1] += 1
+        hits[last - 1] += n == 2
+        last = min(int(n), 2)
+    return hits, rounds
 
 
 def main() -> None:
@@ -55,6 +86,7 @@ def main() -> None:
     gen = Generator(model, args.method, lookup=0, depth=1, budget=1, drafter=str(path))
     print(f"{args.method}: training metric (top-1 agreement at rollout steps 1-4) vs the decoding loop's "
           "first-draft acceptance, same answers")
+    split = {"training metric": ([0, 0], [0, 0]), "loop": ([0, 0], [0, 0])}
     for i, (name, q) in enumerate(questions):
         n = int(np.sum(rec["doc"] == i))
         window = WindowData(rec, vocab_map, n, 0.3, np.array([i])).batch(np.array([0]))
@@ -65,6 +97,17 @@ def main() -> None:
         same = r.tokens == rec["tokens"][rec["doc"] == i][len(rows[i]):].tolist() + [r.tokens[-1]]
         print(f"{name:<10} q{q.question_id:<5} training metric {steps}   loop {loop:.2f}   "
               f"(answer {'identical' if same else 'differs'})")
+        answer = np.asarray(window["weight"][0]) > 0.99  # the answer's positions (prompt tokens weigh less)
+        first = int(np.argmax(answer))  # the prefill's last position: its output is the first round's draft
+        correct = np.asarray(metrics["correct1"][0])[max(first - 1, 0):]
+        for key, (h, n) in (("training metric", replayed_split(correct)),
+                            ("loop", loop_split(r.stats["accept_lengths"]))):
+            for j in (0, 1):
+                split[key][0][j] += h[j]
+                split[key][1][j] += n[j]
+    for key, (h, n) in split.items():
+        print(f"first draft accepted, {key}: after a rejected draft {h[0] / max(n[0], 1):.3f} ({n[0]} rounds), "
+              f"after an accepted one {h[1] / max(n[1], 1):.3f} ({n[1]} rounds)")
 
 
 if __name__ == "__main__":
