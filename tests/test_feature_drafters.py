@@ -495,14 +495,33 @@ def test_drafter_macs_accumulate_per_method(target):
     assert np.all(np.asarray(state.stats.drafter_macs) == 0)
 
 
-def test_benchmark_variants_parse_and_refuse_bad_ones():
+def benchmark_module(name):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "feature_drafters.py"
-    spec = importlib.util.spec_from_file_location("feature_drafters_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@given(correct=st.lists(st.booleans(), min_size=1, max_size=40))
+@settings(max_examples=50, deadline=None)
+def test_the_training_metric_replayed_as_rounds_splits_as_the_loop_would(correct):
+    """``drafter_gap``'s replay of per-position first-draft hits as depth-1 rounds: the rounds it walks
+    emit 2 tokens on a hit and 1 on a miss, and the loop's split of those emitted counts is the replay's."""
+    gap = benchmark_module("drafter_gap")
+    emitted, r = [], 1
+    while r - 1 < len(correct):
+        emitted.append(2 if correct[r - 1] else 1)
+        r += emitted[-1]
+    assert gap.replayed_split(np.array(correct)) == gap.loop_split(emitted)
+    assert gap.replayed_split(np.array([True, False, True, True, False])) == ([1, 1], [1, 2])
+
+
+def test_benchmark_variants_parse_and_refuse_bad_ones():
+    bench = benchmark_module("feature_drafters")
     assert bench.parse_variant("a=hsd,depth=2,width=3,budget=2:-") == ("a", "hsd", {"depth": 2, "width": 3, "budget": 2})
     assert bench.parse_variant("s=sps,depth=8,draft_length=adaptive:-") == (
         "s", "sps", {"depth": 8, "draft_length": "adaptive"})
