@@ -636,9 +636,10 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
     """All shards of a data folder as one flat stream; ``states`` as bfloat16 [N, F, E].
 
     ``limit_tokens``: the first shards only, whole shards until they hold at least that many tokens (the
-    manifest copy's ``tokens`` and ``answer_tokens`` then say where they end). ``skip_answers``: leave out every shard that holds any of the folder's first ``skip_answers`` answer
-    tokens (whole shards); the manifest copy then records ``skipped_tokens`` and ``skipped_answers``, and
-    ``prompt_span``: the first and last stream index of the prompts in the shards loaded.
+    manifest copy's ``tokens`` and ``answer_tokens`` then say where they end). ``skip_answers``: leave
+    out every shard that holds any of the folder's first ``skip_answers`` answer tokens (whole shards);
+    the manifest copy then records ``skipped_tokens`` and ``skipped_answers``, and ``prompt_span``: the
+    first and last stream index of the prompts in the shards loaded.
 
     Each array is allocated once at its final size and filled shard by shard (2M tokens of SmolLM2
     states are ~9 GB: a concatenation would need twice that)."""

@@ -13,7 +13,8 @@ weighted by ``step_decay ** (s-1)``; prompt tokens are weighted by ``prompt_weig
 root mean square to the target states the drafter reads (never to the states it must predict), so
 it learns from inputs as imperfect as its own predictions at later steps. With ``detach_chain`` (an
 ``hsd`` with ``chain_layer``) steps 2+ read step 1's outputs, keys and values as given data: the first
-layer (and the fusion) is trained by step 1 alone, the chain's layer by the later steps.
+layer (and the fusion) is trained by step 1 alone, the chain's layer by the later steps; with
+``chain_g`` too (steps 2+ through the chain's own ``g`` and norms) every weight of the first draft is.
 
 Data parallel: given a ``jax.sharding.Mesh`` (axes ``data``, ``model``), each batch of windows is split
 by rows over ``data`` while the drafter's params, the optimizer state and the frozen target pieces are
