@@ -11,7 +11,7 @@ acceptance is limited by the drafter itself:
 
 It also splits the first draft's acceptance by what the round before emitted (one token: its draft
 was rejected; two: accepted), in the loop (``accept_lengths``) and in the training metric replayed as
-the loop's rounds (``replayed_split``): a split that differs between the two points at inference.
+the loop's rounds (``replayed_rounds``): a split that differs between the two points at inference.
 """
 
 from __future__ import annotations
@@ -27,27 +27,23 @@ SETS = ("mt_bench", "gsm8k", "humaneval", "alpaca")
 OPTS = {"rollout": 4, "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "feature_noise": 0.0}
 
 
-def replayed_split(correct: np.ndarray) -> tuple[list[int], list[int]]:
+def replayed_rounds(correct: np.ndarray) -> list[int]:
     """The depth-1 loop replayed on the training metric: ``correct[t]`` says whether the draft made at
     position t (for the token at t + 2) is right. A round whose root sits at r uses the draft made at
-    r - 1 and moves the root by 2 when it is right, else by 1. Returns (hits, rounds) after a round that
-    emitted one token and after one that emitted two."""
-    hits, rounds = [0, 0], [0, 0]
-    r, last = 1, 1  # the first round follows the prefill, which emitted one token
+    r - 1 and emits 2 tokens when it is right, else 1. Returns the tokens each round emitted."""
+    emitted, r = [], 1  # the first round's root is the prefill's token, its draft made at the prompt's end
     while r - 1 < len(correct):
-        ok = bool(correct[r - 1])
-        rounds[last - 1] += 1
-        hits[last - 1] += ok
-        last = 2 if ok else 1
-        r += last
-    return hits, rounds
+        emitted.append(2 if correct[r - 1] else 1)
+        r += emitted[-1]
+    return emitted
 
 
-def loop_split(accept_lengths: list[int]) -> tuple[list[int], list[int]]:
-    """The same split from the loop's own rounds (tokens emitted per round, depth 1: 1 or 2)."""
+def split_by_previous(emitted: list[int]) -> tuple[list[int], list[int]]:
+    """(hits, rounds) of depth-1 rounds (tokens emitted per round: 1 or 2) after a round that emitted
+    one token and after one that emitted two (the prefill counts as one)."""
     hits, rounds = [0, 0], [0, 0]
     last = 1
-    for n in accept_lengths:
+    for n in emitted:
         rounds[last - 1] += 1
         hits[last - 1] += n == 2
         last = min(int(n), 2)
@@ -100,8 +96,8 @@ def main() -> None:
         answer = np.asarray(window["weight"][0]) > 0.99  # the answer's positions (prompt tokens weigh less)
         first = int(np.argmax(answer))  # the prefill's last position: its output is the first round's draft
         correct = np.asarray(metrics["correct1"][0])[max(first - 1, 0):]
-        for key, (h, n) in (("training metric", replayed_split(correct)),
-                            ("loop", loop_split(r.stats["accept_lengths"]))):
+        for key, emitted in (("training metric", replayed_rounds(correct)), ("loop", r.stats["accept_lengths"])):
+            h, n = split_by_previous(emitted)
             for j in (0, 1):
                 split[key][0][j] += h[j]
                 split[key][1][j] += n[j]

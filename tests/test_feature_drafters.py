@@ -508,16 +508,19 @@ def benchmark_module(name):
 
 @given(correct=st.lists(st.booleans(), min_size=1, max_size=40))
 @settings(max_examples=50, deadline=None)
-def test_the_training_metric_replayed_as_rounds_splits_as_the_loop_would(correct):
-    """``drafter_gap``'s replay of per-position first-draft hits as depth-1 rounds: the rounds it walks
-    emit 2 tokens on a hit and 1 on a miss, and the loop's split of those emitted counts is the replay's."""
+def test_the_training_metric_replayed_as_rounds_walks_the_depth_1_loop(correct):
+    """``drafter_gap``'s replay of per-position first-draft hits as depth-1 rounds: each round reads the
+    hit of the draft made just before its root, emits 2 tokens on a hit and 1 on a miss, and the rounds
+    cover the positions; the split by the round before counts each round once."""
     gap = benchmark_module("drafter_gap")
-    emitted, r = [], 1
-    while r - 1 < len(correct):
-        emitted.append(2 if correct[r - 1] else 1)
-        r += emitted[-1]
-    assert gap.replayed_split(np.array(correct)) == gap.loop_split(emitted)
-    assert gap.replayed_split(np.array([True, False, True, True, False])) == ([1, 1], [1, 2])
+    emitted = gap.replayed_rounds(np.array(correct))
+    roots = np.cumsum([1] + emitted[:-1])  # each round's root position
+    assert [2 if correct[r - 1] else 1 for r in roots] == emitted
+    assert roots[-1] - 1 < len(correct) <= roots[-1] - 1 + emitted[-1]
+    hits, rounds = gap.split_by_previous(emitted)
+    assert sum(rounds) == len(emitted) and sum(hits) == emitted.count(2)
+    assert gap.replayed_rounds(np.array([True, False, True, True, False])) == [2, 2, 1]
+    assert gap.split_by_previous([2, 2, 1]) == ([1, 1], [1, 2])
 
 
 def test_benchmark_variants_parse_and_refuse_bad_ones():

@@ -10,16 +10,15 @@ After verification accepts ``a`` drafts, the verified states are ingested (one l
 last output is a fresh guess for the new root position; with ``root_token`` each verified position's
 input also carries its next token, known once verified, the new root included, as ``eagle``'s does,
 while the chain's own steps stay token-free; with ``chain_layer`` those steps run a second layer of
-their own, so the first is trained on verified inputs alone; with ``chain_g`` the nodes below depth 1,
-which read chain states, go through a ``g`` and output norms of their own) and the chain is shifted by ``a + 1``: its
-states beyond the accepted path are still guesses for the positions that follow, so the next round
-reuses them and only extends the chain by the missing depths (the fresh root state's keys replace
-those of the old guess it stands in for, as in training, where each rollout step attends to the keys
-of the step before). With ``ahead`` > 0 the chain runs
-that many states past the tree's depth, so that states survive a partial acceptance too (they are
-drafted once and read by later rounds). The refresh policy decides when to
-throw the kept states away instead: ``reuse`` (never), ``refresh`` (always), or ``minN`` (when
-fewer than N kept states remain).
+their own, so the first is trained on verified inputs alone; with ``chain_g`` the nodes below depth
+1, which read chain states, go through a ``g`` and output norms of their own) and the chain is
+shifted by ``a + 1``: its states beyond the accepted path are still guesses for the positions that
+follow, so the next round reuses them and only extends the chain by the missing depths (the fresh
+root state's keys replace those of the old guess it stands in for, as in training, where each
+rollout step attends to the keys of the step before). With ``ahead`` > 0 the chain runs that many
+states past the tree's depth, so that states survive a partial acceptance too (they are drafted once
+and read by later rounds). The refresh policy decides when to throw the kept states away instead:
+``reuse`` (never), ``refresh`` (always), or ``minN`` (when fewer than N kept states remain).
 """
 
 from __future__ import annotations
