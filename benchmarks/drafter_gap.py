@@ -12,6 +12,11 @@ acceptance is limited by the drafter itself:
 It also splits the first draft's acceptance by what the round before emitted (one token: its draft
 was rejected; two: accepted), in the loop (``accept_lengths``) and in the training metric replayed as
 the loop's rounds (``replayed_rounds``): a split that differs between the two points at inference.
+
+And it splits the training metric's step 1 by what a prompt lookup would have drafted at the same
+position (``lookup_classes``: the graft's own lookup of the newest 2-4 tokens in the context; right,
+wrong, or no match): the positions where the lookup is right are the ones the decoding loop's
+lookup graft already covers, so a drafter gains the tuned tree only where the lookup is not right.
 """
 
 from __future__ import annotations
@@ -50,6 +55,28 @@ def split_by_previous(emitted: list[int]) -> tuple[list[int], list[int]]:
     return hits, rounds
 
 
+LOOKUP_CLASSES = ("no match", "lookup wrong", "lookup right")
+GRAFT_LENGTHS = (0, 2, 2, 6)  # the tuned trees' lookup graft (``lookup_lengths`` 0,2,2,6)
+
+
+def lookup_classes(tokens: np.ndarray, lengths: tuple[int, ...] = GRAFT_LENGTHS) -> np.ndarray:
+    """For each position t of one document, what the decoding loop's lookup graft (``lookup_by_match``,
+    one chain, chain lengths by match length ``lengths``) drafts first from the context up to t + 1, for
+    the token at t + 2 (the token the first draft made at t is for): 0 no match, 1 wrong, 2 right. The
+    last two positions (no token at t + 2) are 0."""
+    from hsdjax.drafters.pld import lookup_by_match
+
+    n = len(tokens)
+    out = np.zeros(n, np.int8)
+    if n < 3:
+        return out
+    seq = jnp.broadcast_to(jnp.asarray(tokens, jnp.int32), (n - 2, n))  # row t: the context is its first t + 2
+    chains, avail = lookup_by_match(seq, jnp.arange(2, n, dtype=jnp.int32), 1, lengths)
+    found = np.asarray(avail[:, 0]) > 0
+    out[: n - 2] = np.where(found, np.where(np.asarray(chains[:, 0, 0]) == tokens[2:], 2, 1), 0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -83,6 +110,7 @@ def main() -> None:
     print(f"{args.method}: training metric (top-1 agreement at rollout steps 1-4) vs the decoding loop's "
           "first-draft acceptance, same answers")
     split = {"training metric": ([0, 0], [0, 0]), "loop": ([0, 0], [0, 0])}
+    by_lookup = np.zeros((3, 2), np.int64)  # per lookup class: first drafts right, positions
     for i, (name, q) in enumerate(questions):
         n = int(np.sum(rec["doc"] == i))
         window = WindowData(rec, vocab_map, n, 0.3, np.array([i])).batch(np.array([0]))
@@ -96,6 +124,11 @@ def main() -> None:
         answer = np.asarray(window["weight"][0]) > 0.99  # the answer's positions (prompt tokens weigh less)
         first = int(np.argmax(answer))  # the prefill's last position: its output is the first round's draft
         correct = np.asarray(metrics["correct1"][0])[max(first - 1, 0):]
+        classes = lookup_classes(np.asarray(window["tokens"][0]))
+        scored = np.asarray(metrics["anchor"][0])  # answer positions with a token two ahead
+        right = np.asarray(metrics["correct1"][0])
+        for c in range(3):
+            by_lookup[c] += (np.sum(right & scored & (classes == c)), np.sum(scored & (classes == c)))
         for key, emitted in (("training metric", replayed_rounds(correct)), ("loop", r.stats["accept_lengths"])):
             h, n = split_by_previous(emitted)
             for j in (0, 1):
@@ -104,6 +137,12 @@ def main() -> None:
     for key, (h, n) in split.items():
         print(f"first draft accepted, {key}: after a rejected draft {h[0] / max(n[0], 1):.3f} ({n[0]} rounds), "
               f"after an accepted one {h[1] / max(n[1], 1):.3f} ({n[1]} rounds)")
+    total = by_lookup[:, 1].sum()
+    print("training metric, step 1, by what the lookup graft drafts at the same position: " + ", ".join(
+        f"{name} {r / max(n, 1):.3f} ({n / max(total, 1):.0%} of {total})"
+        for name, (r, n) in zip(LOOKUP_CLASSES, by_lookup)))
+    r, n = by_lookup[:2].sum(axis=0)
+    print(f"  where the lookup is not right (what the graft leaves to the drafter): {r / max(n, 1):.3f}")
 
 
 if __name__ == "__main__":

@@ -523,6 +523,26 @@ def test_the_training_metric_replayed_as_rounds_walks_the_depth_1_loop(correct):
     assert gap.split_by_previous([2, 2, 1]) == ([1, 1], [1, 2])
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=40))
+def test_the_lookup_split_classes_each_position_by_the_grafts_first_draft(tokens):
+    """``drafter_gap.lookup_classes``: at position t the graft's lookup (longest match of the newest 2-4
+    tokens of the context up to t + 1, then the most recent) proposes the token at t + 2 right (2),
+    wrong (1), or finds no match (0)."""
+    gap = benchmark_module("drafter_gap")
+    got = gap.lookup_classes(np.array(tokens, np.int32)).tolist()
+    want = []
+    for t in range(len(tokens)):
+        ctx, cls = tokens[: t + 2], 0
+        for n in (4, 3, 2):
+            ends = [e for e in range(n, len(ctx)) if ctx[e - n:e] == ctx[-n:]] if t + 2 < len(tokens) else []
+            if len(ctx) >= n and ends:
+                cls = 2 if ctx[max(ends)] == tokens[t + 2] else 1
+                break
+        want.append(cls)
+    assert got == want
+
+
 def test_benchmark_variants_parse_and_refuse_bad_ones():
     bench = benchmark_module("feature_drafters")
     assert bench.parse_variant("a=hsd,depth=2,width=3,budget=2:-") == ("a", "hsd", {"depth": 2, "width": 3, "budget": 2})
