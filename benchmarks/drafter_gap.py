@@ -14,9 +14,12 @@ was rejected; two: accepted), in the loop (``accept_lengths``) and in the traini
 the loop's rounds (``replayed_rounds``): a split that differs between the two points at inference.
 
 And it splits the training metric's step 1 by what a prompt lookup would have drafted at the same
-position (``lookup_classes``: the graft's own lookup of the newest 2-4 tokens in the context; right,
+position (``lookup_drafts``: the graft's own lookup of the newest 2-4 tokens in the context; right,
 wrong, or no match): the positions where the lookup is right are the ones the decoding loop's
 lookup graft already covers, so a drafter gains the tuned tree only where the lookup is not right.
+The tuned tree (depth 1, budget 1, the graft) is replayed the same way (``replayed_graft_rounds``)
+next to the loop's own accepted lengths, and replayed again with the first draft right more often
+where the lookup is not right: how good a drafter must get there for a given accepted length.
 """
 
 from __future__ import annotations
@@ -59,22 +62,38 @@ LOOKUP_CLASSES = ("no match", "lookup wrong", "lookup right")
 GRAFT_LENGTHS = (0, 2, 2, 6)  # the tuned trees' lookup graft (``lookup_lengths`` 0,2,2,6)
 
 
-def lookup_classes(tokens: np.ndarray, lengths: tuple[int, ...] = GRAFT_LENGTHS) -> np.ndarray:
-    """For each position t of one document, what the decoding loop's lookup graft (``lookup_by_match``,
-    one chain, chain lengths by match length ``lengths``) drafts first from the context up to t + 1, for
-    the token at t + 2 (the token the first draft made at t is for): 0 no match, 1 wrong, 2 right. The
-    last two positions (no token at t + 2) are 0."""
+def lookup_drafts(tokens: np.ndarray, lengths: tuple[int, ...] = GRAFT_LENGTHS) -> tuple[np.ndarray, np.ndarray]:
+    """What the decoding loop's lookup graft (``lookup_by_match``, one chain, chain lengths by match
+    length ``lengths``) drafts at each position t of one document from the context up to t + 1, i.e.
+    for the tokens from t + 2 on (the first draft made at t is for t + 2). Returns its class per position
+    (0: no match, 1: its first token is wrong, 2: right) and how many of its tokens are right in a row.
+    The last two positions (no token at t + 2) are 0."""
     from hsdjax.drafters.pld import lookup_by_match
 
     n = len(tokens)
-    out = np.zeros(n, np.int8)
+    classes, hits = np.zeros(n, np.int8), np.zeros(n, np.int32)
     if n < 3:
-        return out
+        return classes, hits
     seq = jnp.broadcast_to(jnp.asarray(tokens, jnp.int32), (n - 2, n))  # row t: the context is its first t + 2
     chains, avail = lookup_by_match(seq, jnp.arange(2, n, dtype=jnp.int32), 1, lengths)
-    found = np.asarray(avail[:, 0]) > 0
-    out[: n - 2] = np.where(found, np.where(np.asarray(chains[:, 0, 0]) == tokens[2:], 2, 1), 0)
-    return out
+    chains, avail = np.asarray(chains[:, 0]), np.asarray(avail[:, 0])
+    ahead = np.arange(chains.shape[1])
+    later = np.take(tokens, np.minimum(np.arange(2, n)[:, None] + ahead[None, :], n - 1))
+    right = (chains == later) & (ahead[None, :] < avail[:, None]) & (np.arange(2, n)[:, None] + ahead[None, :] < n)
+    hits[: n - 2] = np.argmin(np.concatenate([right, np.zeros((n - 2, 1), bool)], axis=1), axis=1)
+    classes[: n - 2] = np.where(avail > 0, np.where(hits[: n - 2] > 0, 2, 1), 0)
+    return classes, hits
+
+
+def replayed_graft_rounds(correct: np.ndarray, chain_hits: np.ndarray) -> list[int]:
+    """The depth-1 loop with the lookup graft replayed: a round whose root sits at r verifies the draft
+    made at r - 1 (``correct``) and the graft's chain from the context up to r (``chain_hits[r - 1]``
+    of its tokens right in a row), and emits one token more than the longer right run of the two."""
+    emitted, r = [], 1
+    while r - 1 < len(correct):
+        emitted.append(1 + max(int(chain_hits[r - 1]), int(correct[r - 1])))
+        r += emitted[-1]
+    return emitted
 
 
 def main() -> None:
@@ -107,10 +126,14 @@ def main() -> None:
     vocab_map = np.full((full["embed"].shape[0],), -1, np.int32)
     vocab_map[ids] = np.arange(len(ids), dtype=np.int32)
     gen = Generator(model, args.method, lookup=0, depth=1, budget=1, drafter=str(path))
+    grafted = Generator(model, args.method, depth=1, width=3, budget=1, drafter=str(path),
+                        lookup_lengths=",".join(map(str, GRAFT_LENGTHS)))
     print(f"{args.method}: training metric (top-1 agreement at rollout steps 1-4) vs the decoding loop's "
           "first-draft acceptance, same answers")
     split = {"training metric": ([0, 0], [0, 0]), "loop": ([0, 0], [0, 0])}
     by_lookup = np.zeros((3, 2), np.int64)  # per lookup class: first drafts right, positions
+    graft = {"loop": [], "training metric": []}  # tokens emitted per round with the graft
+    replay_inputs = []  # per answer: the first drafts' hits, the graft's hits, its class (from the first round's)
     for i, (name, q) in enumerate(questions):
         n = int(np.sum(rec["doc"] == i))
         window = WindowData(rec, vocab_map, n, 0.3, np.array([i])).batch(np.array([0]))
@@ -124,7 +147,13 @@ def main() -> None:
         answer = np.asarray(window["weight"][0]) > 0.99  # the answer's positions (prompt tokens weigh less)
         first = int(np.argmax(answer))  # the prefill's last position: its output is the first round's draft
         correct = np.asarray(metrics["correct1"][0])[max(first - 1, 0):]
-        classes = lookup_classes(np.asarray(window["tokens"][0]))
+        classes, chain_hits = lookup_drafts(np.asarray(window["tokens"][0]))
+        start = max(first - 1, 0)
+        replay_inputs.append((correct, chain_hits[start:], classes[start:]))
+        graft["training metric"] += replayed_graft_rounds(correct, chain_hits[start:])
+        g = grafted.generate(q.turns[0], max_new_tokens=args.max_new_tokens)[0]
+        assert g.tokens == r.tokens, "the grafted loop's answer differs from the drafter alone's"
+        graft["loop"] += list(g.stats["accept_lengths"])
         scored = np.asarray(metrics["anchor"][0])  # answer positions with a token two ahead
         right = np.asarray(metrics["correct1"][0])
         for c in range(3):
@@ -142,7 +171,20 @@ def main() -> None:
         f"{name} {r / max(n, 1):.3f} ({n / max(total, 1):.0%} of {total})"
         for name, (r, n) in zip(LOOKUP_CLASSES, by_lookup)))
     r, n = by_lookup[:2].sum(axis=0)
-    print(f"  where the lookup is not right (what the graft leaves to the drafter): {r / max(n, 1):.3f}")
+    base = r / max(n, 1)
+    print(f"  where the lookup is not right (what the graft leaves to the drafter): {base:.3f}")
+    print("with the lookup graft (depth 1 / budget 1, lookup lengths " + ",".join(map(str, GRAFT_LENGTHS)) + "): "
+          + ", ".join(f"{key} {np.mean(v):.3f} accepted per round ({len(v)} rounds)" for key, v in graft.items()))
+    rng = np.random.default_rng(0)
+    whatif = []
+    for target in (base + 0.05, base + 0.10, base + 0.20, 1.0):
+        lift = max(target - base, 0.0) / max(1.0 - base, 1e-9)  # the share of misses turned into hits
+        emitted = []
+        for correct, chain_hits, classes in replay_inputs:
+            flip = (classes != 2) & (rng.random(len(correct)) < lift)
+            emitted += replayed_graft_rounds(correct | flip, chain_hits)
+        whatif.append(f"{min(target, 1.0):.2f}: {np.mean(emitted):.3f}")
+    print("  replayed with the first draft right more often where the lookup is not right: " + ", ".join(whatif))
 
 
 if __name__ == "__main__":

@@ -523,28 +523,37 @@ def test_the_training_metric_replayed_as_rounds_walks_the_depth_1_loop(correct):
     assert gap.split_by_previous([2, 2, 1]) == ([1, 1], [1, 2])
 
 
-def test_the_lookup_split_classes_each_position_by_the_grafts_first_draft():
-    """``drafter_gap.lookup_classes``: at position t the graft's lookup (longest match of the newest 2-4
-    tokens of the context up to t + 1, then the most recent) proposes the token at t + 2 right (2),
-    wrong (1), or finds no match (0)."""
+def test_the_lookup_split_and_the_graft_replay_follow_the_grafts_own_lookup():
+    """``drafter_gap.lookup_drafts``: at position t the graft's lookup (longest match of the newest 2-4
+    tokens of the context up to t + 1, then the most recent; 2, 2 or 6 tokens by match length) proposes
+    the token at t + 2 right (2), wrong (1), or finds no match (0), and so many of its tokens are right
+    in a row; ``replayed_graft_rounds`` emits one more than the longer right run of draft and graft."""
     gap = benchmark_module("drafter_gap")
     rng = np.random.default_rng(0)
     for tokens in [[], [1], [1, 1], [1, 1, 1], *(rng.integers(0, 4, 40).tolist() for _ in range(20))]:
-        assert gap.lookup_classes(np.array(tokens, np.int32)).tolist() == graft_classes(tokens)
+        classes, hits = gap.lookup_drafts(np.array(tokens, np.int32))
+        assert (classes.tolist(), hits.tolist()) == graft_drafts(tokens)
+    correct = np.array([True, False, False, True, False, False, True])
+    assert gap.replayed_graft_rounds(correct, np.array([0, 0, 3, 0, 0, 0, 0])) == [2, 4, 2]
+    assert gap.replayed_graft_rounds(correct, np.zeros(7, int)) == gap.replayed_rounds(correct)
 
 
-def graft_classes(tokens):
-    """The reference for ``lookup_classes``, one position at a time."""
-    want = []
+def graft_drafts(tokens, lengths=(0, 2, 2, 6)):
+    """The reference for ``lookup_drafts``, one position at a time."""
+    classes, hits = [], []
     for t in range(len(tokens)):
-        ctx, cls = tokens[: t + 2], 0
+        ctx, cls, hit = tokens[: t + 2], 0, 0
         for n in (4, 3, 2):
             ends = [e for e in range(n, len(ctx)) if ctx[e - n:e] == ctx[-n:]] if t + 2 < len(tokens) else []
             if len(ctx) >= n and ends:
-                cls = 2 if ctx[max(ends)] == tokens[t + 2] else 1
+                chain = ctx[max(ends):max(ends) + lengths[n - 1]]
+                while hit < len(chain) and t + 2 + hit < len(tokens) and chain[hit] == tokens[t + 2 + hit]:
+                    hit += 1
+                cls = 2 if hit else 1
                 break
-        want.append(cls)
-    return want
+        classes.append(cls)
+        hits.append(hit)
+    return classes, hits
 
 
 def test_benchmark_variants_parse_and_refuse_bad_ones():
