@@ -85,13 +85,14 @@ def lookup_drafts(tokens: np.ndarray, lengths: tuple[int, ...] = GRAFT_LENGTHS) 
     return classes, hits
 
 
-def replayed_graft_rounds(correct: np.ndarray, chain_hits: np.ndarray) -> list[int]:
-    """The depth-1 loop with the lookup graft replayed: a round whose root sits at r verifies the draft
-    made at r - 1 (``correct``) and the graft's chain from the context up to r (``chain_hits[r - 1]``
-    of its tokens right in a row), and emits one token more than the longer right run of the two."""
+def replayed_graft_rounds(drafted: np.ndarray, chain_hits: np.ndarray) -> list[int]:
+    """The loop with one chain of drafts and the lookup graft replayed: a round whose root sits at r
+    verifies the drafts made at r - 1 (``drafted[r - 1]`` of them right in a row: a bool for one draft)
+    and the graft's chain from the context up to r (``chain_hits[r - 1]`` right in a row), and emits one
+    token more than the longer right run of the two."""
     emitted, r = [], 1
-    while r - 1 < len(correct):
-        emitted.append(1 + max(int(chain_hits[r - 1]), int(correct[r - 1])))
+    while r - 1 < len(drafted):
+        emitted.append(1 + max(int(chain_hits[r - 1]), int(drafted[r - 1])))
         r += emitted[-1]
     return emitted
 
@@ -126,13 +127,16 @@ def main() -> None:
     vocab_map = np.full((full["embed"].shape[0],), -1, np.int32)
     vocab_map[ids] = np.arange(len(ids), dtype=np.int32)
     gen = Generator(model, args.method, lookup=0, depth=1, budget=1, drafter=str(path))
-    grafted = Generator(model, args.method, depth=1, width=3, budget=1, drafter=str(path),
-                        lookup_lengths=",".join(map(str, GRAFT_LENGTHS)))
+    lengths = ",".join(map(str, GRAFT_LENGTHS))
+    grafted = Generator(model, args.method, depth=1, width=3, budget=1, drafter=str(path), lookup_lengths=lengths)
+    chain3 = Generator(model, args.method, depth=3, width=1, budget=3, drafter=str(path), lookup_lengths=lengths)
+    chain3_loop = []
     print(f"{args.method}: training metric (top-1 agreement at rollout steps 1-4) vs the decoding loop's "
           "first-draft acceptance, same answers")
     split = {"training metric": ([0, 0], [0, 0]), "loop": ([0, 0], [0, 0])}
     by_lookup = np.zeros((3, 2), np.int64)  # per lookup class: first drafts right, positions
     graft = {"loop": [], "training metric": []}  # tokens emitted per round with the graft
+    chained = {depth: [] for depth in range(1, 5)}  # tokens emitted per round, a chain of depth drafts + graft
     replay_inputs = []  # per answer: the first drafts' hits, the graft's hits, its class (from the first round's)
     for i, (name, q) in enumerate(questions):
         n = int(np.sum(rec["doc"] == i))
@@ -150,10 +154,17 @@ def main() -> None:
         classes, chain_hits = lookup_drafts(np.asarray(window["tokens"][0]))
         start = max(first - 1, 0)
         replay_inputs.append((correct, chain_hits[start:], classes[start:]))
+        hits = np.stack([np.asarray(metrics[f"correct{s}"][0])[start:] for s in range(1, 5)], axis=1)
+        for depth in range(1, 5):  # a chain of `depth` drafts: its right run is the leading hits of rollout steps
+            run = np.argmin(np.c_[hits[:, :depth], np.zeros(len(hits), bool)], axis=1)
+            chained[depth] += replayed_graft_rounds(run, chain_hits[start:])
         graft["training metric"] += replayed_graft_rounds(correct, chain_hits[start:])
         g = grafted.generate(q.turns[0], max_new_tokens=args.max_new_tokens)[0]
         assert g.tokens == r.tokens, "the grafted loop's answer differs from the drafter alone's"
         graft["loop"] += list(g.stats["accept_lengths"])
+        c = chain3.generate(q.turns[0], max_new_tokens=args.max_new_tokens)[0]
+        assert c.tokens == r.tokens, "the 3-draft chain's answer differs from the drafter alone's"
+        chain3_loop += list(c.stats["accept_lengths"])
         scored = np.asarray(metrics["anchor"][0])  # answer positions with a token two ahead
         right = np.asarray(metrics["correct1"][0])
         for c in range(3):
@@ -184,6 +195,9 @@ def main() -> None:
             flip = (classes != 2) & (rng.random(len(correct)) < lift)
             emitted += replayed_graft_rounds(correct | flip, chain_hits)
         whatif.append(f"{min(target, 1.0):.2f}: {np.mean(emitted):.3f}")
+    print("  replayed with a chain of 1-4 drafts (width 1) and the graft: " + ", ".join(
+        f"depth {d} {np.mean(v):.3f}" for d, v in chained.items())
+        + f" (the loop at depth 3: {np.mean(chain3_loop):.3f})")
     print("  replayed with the first draft right more often where the lookup is not right: " + ", ".join(whatif))
 
 

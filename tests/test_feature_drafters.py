@@ -536,6 +536,7 @@ def test_the_lookup_split_and_the_graft_replay_follow_the_grafts_own_lookup():
     correct = np.array([True, False, False, True, False, False, True])
     assert gap.replayed_graft_rounds(correct, np.array([0, 0, 3, 0, 0, 0, 0])) == [2, 4, 2]
     assert gap.replayed_graft_rounds(correct, np.zeros(7, int)) == gap.replayed_rounds(correct)
+    assert gap.replayed_graft_rounds(np.array([2, 0, 0, 0, 1]), np.zeros(5, int)) == [3, 1, 2]  # chains of drafts
 
 
 def graft_drafts(tokens, lengths=(0, 2, 2, 6)):
