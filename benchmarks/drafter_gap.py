@@ -38,12 +38,9 @@ OPTS = {"rollout": 4, "step_decay": 0.8, "ce_weight": 1.0, "reg_weight": 0.2, "f
 def replayed_rounds(correct: np.ndarray) -> list[int]:
     """The depth-1 loop replayed on the training metric: ``correct[t]`` says whether the draft made at
     position t (for the token at t + 2) is right. A round whose root sits at r uses the draft made at
-    r - 1 and emits 2 tokens when it is right, else 1. Returns the tokens each round emitted."""
-    emitted, r = [], 1  # the first round's root is the prefill's token, its draft made at the prompt's end
-    while r - 1 < len(correct):
-        emitted.append(2 if correct[r - 1] else 1)
-        r += emitted[-1]
-    return emitted
+    r - 1 and emits 2 tokens when it is right, else 1. Returns the tokens each round emitted: the
+    graft's replay with no lookup hits."""
+    return replayed_graft_rounds(correct, np.zeros(len(correct), np.int32))
 
 
 def split_by_previous(emitted: list[int]) -> tuple[list[int], list[int]]:
@@ -90,7 +87,7 @@ def replayed_graft_rounds(drafted: np.ndarray, chain_hits: np.ndarray) -> list[i
     verifies the drafts made at r - 1 (``drafted[r - 1]`` of them right in a row: a bool for one draft)
     and the graft's chain from the context up to r (``chain_hits[r - 1]`` right in a row), and emits one
     token more than the longer right run of the two."""
-    emitted, r = [], 1
+    emitted, r = [], 1  # the first round's root is the prefill's token, its draft made at the prompt's end
     while r - 1 < len(drafted):
         emitted.append(1 + max(int(chain_hits[r - 1]), int(drafted[r - 1])))
         r += emitted[-1]
