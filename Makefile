@@ -17,15 +17,19 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 # Test and peer extras on top (torch, transformers, llama.cpp built from source: ~4 min the first time).
-# llama.cpp is built for AVX2/FMA/F16C, not -march=native: its native build enables ggml's AMX kernels on
-# CPUs that report AMX, and those segfaulted in the first matmul on this machine kind. The wheel is kept
-# in its own folder (pip's wheel cache would hand back a native build made earlier) and found there.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-LLAMA_WHEELS := $(HOME)/.cache/hsdjax-build/llama-cpp-avx2
+# llama.cpp is built for this machine's own instruction set (GGML_NATIVE: AVX-512 where the CPU has it,
+# AVX2 elsewhere, NEON on ARM), as hsdjax's kernels are, with AMX left out: ggml's AMX kernels
+# segfaulted in the first matmul on the Xeons here. The wheel is kept in a folder named after the CPU's
+# extensions (pip's wheel cache would hand back a build made for another machine) and found there.
+CPU_KEY := $(shell (grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || uname -m) | cksum | cut -d' ' -f1)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),$(NO_AMX))
+LLAMA_WHEELS := $(HOME)/.cache/hsdjax-build/llama-cpp-native-$(CPU_KEY)
 $(VENV)/.installed: $(VENV)/.runtime
 	@ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1 || { \
-	  echo "== building llama.cpp (the peer in hsdjax bench) for AVX2, once: a few minutes"; \
-	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel -q --no-cache-dir --no-deps -w $(LLAMA_WHEELS) \
+	  echo "== building llama.cpp (the peer in hsdjax bench) for this CPU, once: a few minutes"; \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CFLAGS="$(LLAMA_CFLAGS)" CXXFLAGS="$(LLAMA_CFLAGS)" $(PY) -m pip wheel -q --no-cache-dir --no-deps -w $(LLAMA_WHEELS) \
 	    "$$($(PY) -c "import tomllib; print([d for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['llamacpp'] if d.startswith('llama-cpp-python')][0].split('#')[0].strip())")"; }
 	$(PY) -m pip install -q --find-links $(LLAMA_WHEELS) -e '.[test,llamacpp]'
 	touch $@

@@ -14,7 +14,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
+
 from hsdjax import registry
+from hsdjax.kernels import cpu_matmul as cpu_matmul_kernel
 from hsdjax.api import Generator, load_model
 from hsdjax.bench import run_bench
 from hsdjax.errors import HsdjaxError
@@ -71,7 +74,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_method: str = "ar") -> N
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     p.add_argument("--cpu-matmul", choices=("auto", "on", "off", "float32", "bf16x", "int8x", "int16x"),
                    default=None,
-                   help="hsdjax's CPU matmul kernel (auto: when built with `hsdjax cpu-matmul build`; bf16x: "
+                   help="hsdjax's CPU matmul kernel (auto: when built with `hsdjax cpu-matmul build` and measured "
+                        "faster than XLA's dot on this CPU; on: always when built; bf16x: "
                         "activations rounded to bfloat16, faster tree passes, not float32 outputs; int8x: "
                         "activations quantized to int8 (VNNI), faster still, coarser; int16x: to int16 (VNNI), "
                         "near float32; default: $HSDJAX_CPU_MATMUL or auto)")
@@ -189,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("cpu-matmul", help="build or check hsdjax's optional CPU matmul kernel (needs a C++ compiler)")
     k.add_argument("action", choices=("build", "status"), nargs="?", default="status")
     k.add_argument("--optional", action="store_true", help="build: without a compiler, say so and exit 0")
+    k.add_argument("--model", default=None, help="status: the model whose matmuls are measured (default: smollm2-135m)")
+    k.add_argument("--cpu-matmul", choices=("auto", "on", "off", "float32", "bf16x", "int8x", "int16x"), default=None,
+                   help="status: the setting to report for (default: $HSDJAX_CPU_MATMUL or auto)")
 
     d = sub.add_parser("demo", help="generate a short chat answer with the default model and show tokens/s")
     _add_model_args(d)
@@ -211,8 +218,7 @@ def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
     if not quiet:
         cached = "cached weights" if model.timings.get("cached") else "converted and cached weights"
         _log(f"loaded {model.name} ({model.cfg.family}, {model.cfg.num_params() / 1e6:.0f}M params, "
-             f"{model.cfg.dtype}{', CPU matmul kernel' if model.cfg.cpu_matmul else ''}) in "
-             f"{time.perf_counter() - t0:.1f}s ({cached})")
+             f"{model.cfg.dtype}) in {time.perf_counter() - t0:.1f}s ({cached}); {model.backend_line()}")
     return gen
 
 
@@ -242,10 +248,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not args.json:
             print(result.text)
     if args.json:
-        print(json.dumps(dict(result.to_json(), model=gen.model.name)))
+        print(json.dumps(dict(result.to_json(), model=gen.model.name, backend=_backend_json(gen.model))))
     else:
         _log(_speed_line(result))
     return 0
+
+
+def _backend_json(model: Any) -> dict[str, Any]:
+    """What `generate --json` says of the path the matmuls took: path, instruction set, mode, why, ratios."""
+    out = dict(model.backend)
+    if jax.default_backend() == "cpu":
+        out["cpu"] = cpu_matmul_kernel.cpu_summary()
+    return out
 
 
 def _speed_line(result: Any) -> str:
@@ -362,8 +376,19 @@ def cmd_cpu_matmul(args: argparse.Namespace) -> int:
         _log(f"built {path}; models load with it on this CPU (turn off: --cpu-matmul off or HSDJAX_CPU_MATMUL=off)")
         return 0
     built = cpu_matmul.is_built()
-    print(f"CPU matmul kernel: {'built' if built else 'not built'} ({cpu_matmul.library_path()})"
-          + ("" if built else "; build it with `hsdjax cpu-matmul build`"))
+    print(f"CPU: {cpu_matmul.cpu_summary()}")
+    print(f"CPU kernels: {'built' if built else 'not built'} for -march={cpu_matmul.arch()} "
+          f"({cpu_matmul.library_path()})" + ("" if built else "; build them with `hsdjax cpu-matmul build`"))
+    if not built:
+        return 0
+    print(f"instruction set: {cpu_matmul.instruction_set()}")
+    modes = [m for m, ok in (("bf16x", cpu_matmul.has_bf16x()), ("int8x", cpu_matmul.has_int8x()),
+                             ("int16x", cpu_matmul.has_int16x())) if ok]
+    print(f"activation modes besides float32: {', '.join(modes) or 'none on this instruction set'}")
+    model = load_model(args.model, cpu_matmul=args.cpu_matmul)
+    print(f"{model.name}: {model.backend_line()}")
+    for m, r in model.backend.get("ratios", {}).items():
+        print(f"  {int(m):>3} rows: kernel {r:.2f}x XLA's dot speed (this model's matmuls, one step)")
     return 0
 
 
@@ -373,8 +398,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model = load_model(args.model, dtype=args.dtype, progress=True, mesh=mesh_from_args(args),
                        cpu_matmul=args.cpu_matmul, cache_dtype=args.cache_dtype)
     methods = _demo_methods(model.name, args.method)
-    kernel = "hsdjax's CPU matmul kernel" if model.cfg.cpu_matmul else "XLA's matmul"
-    _log(f"model {model.name} ({kernel}); prompt: {args.prompt!r}")
+    _log(f"model {model.name}; CPU {cpu_matmul_kernel.cpu_summary()}" if jax.default_backend() == "cpu"
+         else f"model {model.name} on {jax.default_backend()}")
+    _log(f"matmuls and attention: {model.backend_line()}")
+    _log(f"prompt: {args.prompt!r}")
     runs = {}
     for name in ("ar", *methods):
         gen = Generator(model, method=name, **(_method_options(args) if name != "ar" else {}))

@@ -59,6 +59,12 @@ class LoadedModel:
     fingerprint: str  # sha256 of the weights file(s): drafters are bound to it
     timings: dict[str, float]
     mesh: Any = None  # the jax.sharding.Mesh the params are placed on (None: one device)
+    # How the matmuls and attention run and why, in one line (``backend_line``): the CPU kernels (their
+    # instruction set, mode and measured speed against XLA's dot) or XLA's dot.
+    backend: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def backend_line(self) -> str:
+        return self.backend.get("why", "")
 
 
 def _fingerprint(source: registry.ModelSource) -> str:
@@ -116,6 +122,23 @@ def use_cpu_matmul(setting: str | None, cfg: ModelConfig, mesh: Any) -> bool:
     if why and setting in ("on", "float32", "bf16x", "int8x", "int16x"):
         raise HsdjaxError(f"cpu_matmul={setting}, but {why}")
     return why is None
+
+
+def _xla_backend(setting: str | None, cfg: ModelConfig, mesh: Any) -> dict[str, Any]:
+    """The backend description of a model that does not use the CPU kernels, with the reason."""
+    if jax.default_backend() != "cpu":
+        why = f"XLA on {jax.default_backend()}"
+    elif cpu_matmul_setting(setting) == "off":
+        why = "XLA's dot (the CPU kernels are off)"
+    elif mesh is not None:
+        why = "XLA's dot (the model is sharded over a mesh)"
+    elif cpu_matmul_kernel.unsupported(cfg):
+        why = f"XLA's dot ({cpu_matmul_kernel.unsupported(cfg)})"
+    elif not cpu_matmul_kernel.is_built():
+        why = "XLA's dot (the CPU kernels are not built: `hsdjax cpu-matmul build`)"
+    else:
+        why = "XLA's dot"
+    return {"path": "xla", "mode": cfg.dtype, "why": why}
 
 
 def _pack_for_cpu_kernels(params: Any, cfg: ModelConfig, source: registry.ModelSource, fingerprint: str,
@@ -234,14 +257,31 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     if fused_projections:
         params = fuse_projections(params)
         cfg = cfg.replace(fused_projections=True)
+    backend = _xla_backend(cpu_matmul, cfg, mesh)
     if use_kernels:
-        compress = cpu_matmul_setting(cpu_matmul) != "float32"
+        setting = cpu_matmul_setting(cpu_matmul)
+        compress = setting != "float32"
+        plain, plain_cfg = params, cfg
         params = _pack_for_cpu_kernels(params, cfg, source, fingerprint, compress)
         fused = fuse_projections(params, packed=True) if fused_projections is None else None
         if fused is not None:  # the packed panels joined (the same formats only)
             params, cfg = fused, cfg.replace(fused_projections=True)
-        activations = ACTIVATIONS.get(cpu_matmul_setting(cpu_matmul), "float32")
+        activations = ACTIVATIONS.get(setting, "float32")
         cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations=activations)
+        isa = cpu_matmul_kernel.instruction_set()
+        backend = {"path": "cpu-kernel", "isa": isa, "mode": setting if setting in ACTIVATIONS else "float32",
+                   "why": f"hsdjax's CPU kernels ({isa}, {setting} as asked)"}
+        if setting == "auto":  # kept only where this machine measured it faster than XLA's dot
+            verdict = cpu_matmul_kernel.measured_verdict(params, activations)
+            backend = dict(backend, why=verdict["why"], ratios=verdict["ratios"])
+            if not verdict["use"]:
+                params, cfg = plain, plain_cfg
+                use_kernels = False
+                backend = dict(backend, path="xla", mode="float32")
+            elif verdict["max_rows"] < cpu_matmul_kernel.MEASURED_ROWS[-1]:
+                cfg = cfg.replace(cpu_matmul_max_rows=verdict["max_rows"])
+        del plain
+    if use_kernels:
         if screened_head and cpu_matmul_kernel.can_screen(params["head_panels"], activations):
             params = dict(params, head_colabs=jnp.asarray(cpu_matmul_kernel.column_abs_sums(params["head_panels"])))
             cfg = cfg.replace(screened_head=True)
@@ -251,4 +291,4 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     else:
         tokenizer = Tokenizer.from_hf_folder(source.path)
     timings = dict(timings, device_put_s=time.perf_counter() - t0)
-    return LoadedModel(source.name, cfg, params, tokenizer, source, fingerprint, timings, mesh)
+    return LoadedModel(source.name, cfg, params, tokenizer, source, fingerprint, timings, mesh, backend)

@@ -169,8 +169,10 @@ class Block(nn.Module):
         def dense(h, name, k_in, n_out):  # h @ W[k_in, n_out] (stored as panels with cpu_matmul)
             if cfg.cpu_matmul:  # float32 or compressed panels (``cpu_matmul.pack_params``)
                 if self.has_variable("params", name):
-                    return panel_matmul(h, self.get_variable("params", name), cfg.cpu_matmul_activations)
-                return panel_matmul(h, p(name, (n_out // PANEL, k_in, PANEL)), cfg.cpu_matmul_activations)
+                    return panel_matmul(h, self.get_variable("params", name), cfg.cpu_matmul_activations,
+                                        cfg.cpu_matmul_max_rows)
+                return panel_matmul(h, p(name, (n_out // PANEL, k_in, PANEL)), cfg.cpu_matmul_activations,
+                                    cfg.cpu_matmul_max_rows)
             return h @ p(name, (k_in, n_out))
 
         x_in = x
@@ -275,7 +277,8 @@ class Transformer(nn.Module):
         """LM head (the tied embedding matrix or the separate head); float32 logits."""
         dt = jnp.dtype(self.cfg.dtype)
         if self.cfg.cpu_matmul:  # float32 or compressed panels
-            return panel_matmul(hidden, self.get_variable("params", "head_panels"), self.cfg.cpu_matmul_activations)
+            return panel_matmul(hidden, self.get_variable("params", "head_panels"), self.cfg.cpu_matmul_activations,
+                                self.cfg.cpu_matmul_max_rows)
         if self.cfg.tie_embeddings:  # contract with the [V, E] embedding directly: no transposed copy
             return jnp.einsum("...e,ve->...v", hidden, self.embed.astype(dt), preferred_element_type=jnp.float32)
         return jnp.matmul(hidden, self.lm_head.astype(dt), preferred_element_type=jnp.float32)

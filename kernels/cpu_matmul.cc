@@ -19,29 +19,39 @@
 //   half the bytes.
 //
 // Every output is one multiply-add chain over k = 0 .. K-1 whatever M is, so a T-token tree pass and a
-// one-token `ar` step compute bitwise-equal matmul outputs. A panel (K x 32 weights, contiguous) is read
-// once for up to 8 rows of x; M > 8 sweeps it again per 8 rows. Chunks of panels are shared between
-// the calling thread and XLA's own intra-op thread pool (no threads of its own).
+// one-token `ar` step compute bitwise-equal matmul outputs. Vectors are the instruction set's own
+// (cpu_simd.h: 16 floats with AVX-512, 8 with AVX2, 4 with NEON), a panel row is kPanel / kLanes of
+// them, and a tile holds as many rows of x as the registers hold accumulators (8 with AVX-512, 3 with
+// AVX2 or NEON). A compressed or bfloat16 panel is decoded one block of k at a time into a small buffer
+// (L1-resident) that every tile of rows then reads, so the decode is paid once per weight whatever M is;
+// a tile's chains pause in y between blocks, which does not change them. Since every instruction set
+// here has fused multiply-adds, the products are also bitwise equal across AVX-512, AVX2 and NEON
+// builds. Chunks of panels are shared between the calling thread and XLA's own intra-op thread pool (no
+// threads of its own).
 #include <atomic>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <memory>
+#include <type_traits>
 
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+using hsdjax_simd::kLanes;
+using hsdjax_simd::Load;
+using hsdjax_simd::Splat;
+using hsdjax_simd::Store;
+using hsdjax_simd::u8x16;
+using hsdjax_simd::vf;
 constexpr int64_t kPanel = 32;
+constexpr int kVecs = kPanel / kLanes;  // native vectors per panel row
+// Rows of x per tile: MT x kVecs accumulators and a broadcast within the vector registers.
+constexpr int kTileRows = std::min(8, (hsdjax_simd::kRegisters - 1) / kVecs);
 
 // The two compressed formats (see the top of the file).
 template <int BITS>
@@ -51,131 +61,147 @@ struct Format {
   static constexpr int64_t kRowBytes = BITS * kPanel / 8;
   static constexpr int64_t kBlockBytes = kHeader + kRows * kRowBytes;
 };
+constexpr int64_t kBf16BlockRows = 32;  // k per decoded block of a bfloat16 panel
 
-// 16 codes to 16 floats. GCC scalarizes a vector byte -> float conversion, hence intrinsics where the
-// machine has AVX-512 and a plain loop elsewhere (same values either way: small integers are exact).
-inline v16 BytesToFloat(u8x16 b, bool is_signed) {
-#if defined(__AVX512F__)
-  __m128i raw;
-  __builtin_memcpy(&raw, &b, 16);
-  const __m512 f = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
-  v16 out;
-  __builtin_memcpy(&out, &f, 64);
-  return out;
-#else
-  v16 out;
-  for (int j = 0; j < 16; ++j) out[j] = is_signed ? static_cast<float>(static_cast<int8_t>(b[j])) : b[j];
-  return out;
-#endif
+// Calls f(std::integral_constant<int, rows>) for 1 <= rows <= kTileRows (tile sizes are template
+// arguments, so each one's accumulators live in registers).
+template <int MT = kTileRows, typename F>
+inline void WithRows(int64_t rows, F&& f) {
+  if constexpr (MT > 1) {
+    if (rows == MT) {
+      f(std::integral_constant<int, MT>{});
+      return;
+    }
+    WithRows<MT - 1>(rows, f);
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
 }
 
-// The multiply-add chains of MT rows against one panel, whatever stores it: rows(use) calls
-// use(k, w0, w1) with the panel's 32 weights of row k, k = 0 .. K-1 in order. One body for float32 and
-// compressed panels, so their chains are the same by construction.
-template <int MT, typename Rows>
-inline void Chains(const float* x, int64_t k_len, float* y, int64_t n, Rows&& rows) {
-  v16 a0[MT], a1[MT];
-  for (int m = 0; m < MT; ++m) {
-    a0[m] = v16{};
-    a1[m] = v16{};
-  }
-  rows([&](int64_t k, const v16& w0, const v16& w1) {
+// The chains of MT rows of x (row stride k_len) over weight rows k0 .. k1 - 1, the weights of row k at
+// w + (k - k0) * kPanel, continuing from acc.
+template <int MT>
+inline void Chain(const float* x, int64_t k_len, const float* w, int64_t k0, int64_t k1, vf (&acc)[MT][kVecs]) {
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + (k - k0) * kPanel;
     for (int m = 0; m < MT; ++m) {
-      const float xv = x[m * k_len + k];
-      a0[m] += xv * w0;
-      a1[m] += xv * w1;
+      const vf xv = Splat(x[m * k_len + k]);
+      for (int j = 0; j < kVecs; ++j) acc[m][j] += xv * Load(wk + j * kLanes);
     }
-  });
-  for (int m = 0; m < MT; ++m) {
-    __builtin_memcpy(y + m * n, &a0[m], 64);
-    __builtin_memcpy(y + m * n + 16, &a1[m], 64);
   }
 }
 
+// MT rows' 32 outputs of one panel for weight rows [k0, k1): chains start at zero when k0 == 0, else
+// continue from what y holds (the same chain, paused between blocks), and end in y.
 template <int MT>
-void Tile(const float* x, int64_t k_len, const float* wp, float* y, int64_t n) {
-  Chains<MT>(x, k_len, y, n, [&](auto&& use) {
-    for (int64_t k = 0; k < k_len; ++k) {
-      v16 w0, w1;
-      __builtin_memcpy(&w0, wp + k * kPanel, 64);
-      __builtin_memcpy(&w1, wp + k * kPanel + 16, 64);
-      use(k, w0, w1);
-    }
-  });
+void TileSpan(const float* x, int64_t k_len, const float* w, int64_t k0, int64_t k1, float* y, int64_t n) {
+  vf acc[MT][kVecs];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < kVecs; ++j) acc[m][j] = k0 == 0 ? vf{} : Load(y + m * n + j * kLanes);
+  Chain<MT>(x, k_len, w, k0, k1, acc);
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < kVecs; ++j) Store(y + m * n + j * kLanes, acc[m][j]);
 }
 
-// 16 bfloat16 values to float32: the 16 bits become the high half of the float (exact).
-inline v16 Bf16ToFloat(const uint16_t* p) {
-  u16x16 h;
-  __builtin_memcpy(&h, p, 32);
-  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-  v16 out;
-  __builtin_memcpy(&out, &bits, 64);
-  return out;
-}
-
-// Same products as Tile on the bfloat16 panel's float32 values.
-template <int MT>
-void BTile(const float* x, int64_t k_len, const uint16_t* wb, float* y, int64_t n) {
-  Chains<MT>(x, k_len, y, n, [&](auto&& use) {
-    for (int64_t k = 0; k < k_len; ++k) use(k, Bf16ToFloat(wb + k * kPanel), Bf16ToFloat(wb + k * kPanel + 16));
-  });
-}
-
-// The 32 weights of one k row of a compressed block: code * scale (exact) + offset.
-template <int BITS>
-inline void Decode(const uint8_t* codes, const v16& d0, const v16& d1, const v16& o0, const v16& o1, v16& w0,
-                   v16& w1) {
-  if constexpr (BITS == 4) {
-    u8x16 c;
-    __builtin_memcpy(&c, codes, 16);
-    v16 lo = BytesToFloat(c & 15, false);  // columns 0-15 in the low nibbles
-    v16 hi = BytesToFloat(c >> 4, false);  // columns 16-31 in the high ones
-    w0 = lo * d0 + o0;
-    w1 = hi * d1 + o1;
-  } else {
-    u8x16 c0, c1;  // int8 codes
-    __builtin_memcpy(&c0, codes, 16);
-    __builtin_memcpy(&c1, codes + 16, 16);
-    w0 = BytesToFloat(c0, true) * d0;
-    w1 = BytesToFloat(c1, true) * d1;
+// Rows [0, m) of x against weight rows [k0, k1) of one panel (float32 rows at w), tile by tile.
+void SweepRows(const float* x, int64_t m, int64_t k_len, const float* w, int64_t k0, int64_t k1, float* y,
+               int64_t n) {
+  for (int64_t m0 = 0; m0 < m; m0 += kTileRows) {
+    WithRows(std::min<int64_t>(kTileRows, m - m0), [&](auto mt) {
+      TileSpan<decltype(mt)::value>(x + m0 * k_len, k_len, w, k0, k1, y + m0 * n, n);
+    });
   }
 }
 
-// A block's scales (and offsets).
+// Row kk of a compressed block decoded: its 32 weights, code * scale (exact) + offset.
 template <int BITS>
-inline void Header(const uint8_t* blk, v16& d0, v16& d1, v16& o0, v16& o1) {
-  __builtin_memcpy(&d0, blk, 64);
-  __builtin_memcpy(&d1, blk + 64, 64);
-  if constexpr (BITS == 4) {
-    __builtin_memcpy(&o0, blk + 128, 64);
-    __builtin_memcpy(&o1, blk + 192, 64);
-  } else {
-    o0 = v16{};
-    o1 = v16{};
-  }
-}
-
-// Walks a compressed panel row by row of k: use(k, w0, w1) with the row's 32 decoded weights.
-template <int BITS, typename Use>
-inline void WalkPanel(const uint8_t* panel, int64_t k_len, Use&& use) {
+inline void DecodeRow(const uint8_t* blk, int64_t kk, vf (&w)[kVecs]) {
   using F = Format<BITS>;
-  for (int64_t b = 0; b < k_len / F::kRows; ++b) {
-    const uint8_t* blk = panel + b * F::kBlockBytes;
-    v16 d0, d1, o0, o1;
-    Header<BITS>(blk, d0, d1, o0, o1);
-    for (int64_t kk = 0; kk < F::kRows; ++kk) {
-      v16 w0, w1;
-      Decode<BITS>(blk + F::kHeader + kk * F::kRowBytes, d0, d1, o0, o1, w0, w1);
-      use(b * F::kRows + kk, w0, w1);
-    }
+  const float* scale = reinterpret_cast<const float*>(blk);
+  const uint8_t* codes = blk + F::kHeader + kk * F::kRowBytes;
+  if constexpr (BITS == 4) {
+    const float* offset = reinterpret_cast<const float*>(blk + kPanel * 4);
+    hsdjax_simd::NibblesToFloat(codes, w);
+    for (int j = 0; j < kVecs; ++j) w[j] = w[j] * Load(scale + j * kLanes) + Load(offset + j * kLanes);
+  } else {
+    hsdjax_simd::SignedBytesToFloat(codes, w);  // int8 codes
+    for (int j = 0; j < kVecs; ++j) w[j] = w[j] * Load(scale + j * kLanes);
   }
 }
 
-// Same products as Tile on the decoded weights: the chain over k is identical, so results are too.
-template <int MT, int BITS>
-void QTile(const float* x, int64_t k_len, const uint8_t* panel, float* y, int64_t n) {
-  Chains<MT>(x, k_len, y, n, [&](auto&& use) { WalkPanel<BITS>(panel, k_len, use); });
+// One block of a compressed panel decoded to float32 rows [kRows][32].
+template <int BITS>
+inline void DecodeBlock(const uint8_t* blk, float* out) {
+  for (int64_t kk = 0; kk < Format<BITS>::kRows; ++kk) {
+    vf w[kVecs];
+    DecodeRow<BITS>(blk, kk, w);
+    for (int j = 0; j < kVecs; ++j) Store(out + kk * kPanel + j * kLanes, w[j]);
+  }
+}
+
+// One row of x against a whole compressed panel, each weight decoded into registers and used at once
+// (the same chain as through the block buffer).
+template <int BITS>
+void DecodedRowProduct(const float* x, int64_t k, const uint8_t* wq, float* y) {
+  using F = Format<BITS>;
+  vf acc[kVecs] = {};
+  for (int64_t b = 0; b < k / F::kRows; ++b) {
+    const uint8_t* blk = wq + b * F::kBlockBytes;
+    for (int64_t kk = 0; kk < F::kRows; ++kk) {
+      vf w[kVecs];
+      DecodeRow<BITS>(blk, kk, w);
+      const vf xv = Splat(x[b * F::kRows + kk]);
+      for (int j = 0; j < kVecs; ++j) acc[j] += xv * w[j];
+    }
+  }
+  for (int j = 0; j < kVecs; ++j) Store(y + j * kLanes, acc[j]);
+}
+
+// Rows of a bfloat16 panel as float32: the 16 bits become the high half of the float (exact).
+inline void DecodeBf16Rows(const uint16_t* p, int64_t rows, float* out) {
+  typedef uint16_t u16v __attribute__((vector_size(2 * kLanes)));
+  typedef uint32_t u32v __attribute__((vector_size(4 * kLanes)));
+  for (int64_t i = 0; i < rows * kPanel; i += kLanes) {
+    u16v h;
+    __builtin_memcpy(&h, p + i, sizeof(h));
+    const u32v bits = __builtin_convertvector(h, u32v) << 16;
+    __builtin_memcpy(out + i, &bits, sizeof(bits));
+  }
+}
+
+// Rows [0, m) of x against one panel in any of the float formats (bits 32: float32, 16: bfloat16, 4 / 8:
+// compressed) into y's 32 columns of the panel. A compressed or bfloat16 panel is decoded a block at a
+// time into buf (kBf16BlockRows x 32 floats) shared by all tiles.
+void PanelProduct(const float* x, int64_t m, int64_t k, const void* panel, int bits, float* y, int64_t n,
+                  float* buf) {
+  if (bits == 32) {
+    SweepRows(x, m, k, static_cast<const float*>(panel), 0, k, y, n);
+    return;
+  }
+  if (bits == 16) {
+    const uint16_t* wb = static_cast<const uint16_t*>(panel);
+    for (int64_t k0 = 0; k0 < k; k0 += kBf16BlockRows) {
+      const int64_t k1 = std::min<int64_t>(k, k0 + kBf16BlockRows);
+      DecodeBf16Rows(wb + k0 * kPanel, k1 - k0, buf);
+      SweepRows(x, m, k, buf, k0, k1, y, n);
+    }
+    return;
+  }
+  const uint8_t* wq = static_cast<const uint8_t*>(panel);
+  if (m == 1) {  // a decoding step: no buffer
+    if (bits == 4) DecodedRowProduct<4>(x, k, wq, y);
+    else DecodedRowProduct<8>(x, k, wq, y);
+    return;
+  }
+  auto blocks = [&](auto format, auto decode) {
+    using F = decltype(format);
+    for (int64_t b = 0; b < k / F::kRows; ++b) {
+      decode(wq + b * F::kBlockBytes, buf);
+      SweepRows(x, m, k, buf, b * F::kRows, (b + 1) * F::kRows, y, n);
+    }
+  };
+  if (bits == 4) blocks(Format<4>{}, DecodeBlock<4>);
+  else blocks(Format<8>{}, DecodeBlock<8>);
 }
 
 
@@ -546,94 +572,36 @@ struct Work {
   const float* colabs = nullptr;  // screened argmax: sum |w| per 32 k and column [N/32, K/32, 32]
   float* lo_max = nullptr;        // and per row and panel the largest lower bound [M, N/32]
   float* hi_max = nullptr;        // and upper bound (y gets each column's upper bound)
+
+  // Whether this panel format goes through the activation modes' own tiles (bf16x / int16x: 4-bit
+  // blocks; int8x: 4- and 8-bit); other panels keep the float32 chains.
+  bool QuantizedActivations() const { return (xq && (bits == 4 || bits == 8)) || ((xb || xw) && bits == 4); }
 };
 
-// A whole compressed panel decoded to float32 panel layout [K, 32] (for sweeps of more than 8 rows).
-template <int BITS>
-void DecodePanel(const uint8_t* panel, int64_t k_len, float* out) {
-  WalkPanel<BITS>(panel, k_len, [out](int64_t k, const v16& w0, const v16& w1) {
-    __builtin_memcpy(out + k * kPanel, &w0, 64);
-    __builtin_memcpy(out + k * kPanel + 16, &w1, 64);
-  });
-}
-
-// A bfloat16 panel [K, 32] as float32 panel (for sweeps of more than 8 rows).
-void DecodeBf16Panel(const uint16_t* panel, int64_t k_len, float* out) {
-  for (int64_t k = 0; k < k_len; ++k) {
-    const v16 w0 = Bf16ToFloat(panel + k * kPanel), w1 = Bf16ToFloat(panel + k * kPanel + 16);
-    __builtin_memcpy(out + k * kPanel, &w0, 64);
-    __builtin_memcpy(out + k * kPanel + 16, &w1, 64);
-  }
-}
-
-// Rows [m0, m0 + rows) of x against one panel; rows <= 8. bits 32: float32 panel, 16: bfloat16, else
-// compressed.
-void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) {
-  const float* xs = w.x + m0 * w.k;
-  float* ys = w.y + m0 * w.n;
-  const uint32_t* xbr = w.xb ? w.xb + m0 * (w.k / 2) : nullptr;
+// Rows [m0, m0 + rows) (rows <= 8) of x against one compressed panel through the activation modes'
+// tiles (AVX-512 builds only); y points at the panel's first column.
+void ActivationRows(const Work& w, const uint8_t* pq, float* y, int64_t m0, int64_t rows) {
+  float* ys = y + m0 * w.n;
   const float* xsr = w.xs ? w.xs + m0 * (w.k / 32) : nullptr;
-  if (w.xw && bits == 4) {  // int16x: at most 4 rows per tile, as int8x
-    const uint32_t* xwr = w.xw + m0 * (w.k / 2);
-    const float* sqr = w.sq + m0 * (w.k / 32);
-    const uint8_t* pq = static_cast<const uint8_t*>(panel);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t at = r0 * (w.k / 2), bt = r0 * (w.k / 32);
-      float* yr = ys + r0 * w.n;
-      const int rest = static_cast<int>(std::min<int64_t>(4, rows - r0));
-#define HSDJAX_WTILE(MT) WTile<MT>(xwr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n)
-      switch (rest) {
-        case 4: HSDJAX_WTILE(4); break;
-        case 3: HSDJAX_WTILE(3); break;
-        case 2: HSDJAX_WTILE(2); break;
-        default: HSDJAX_WTILE(1); break;
-      }
-#undef HSDJAX_WTILE
+  const float* sqr = w.sq ? w.sq + m0 * (w.k / 32) : nullptr;
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // at most 4 rows per integer tile (8 would spill)
+    const int64_t rest = std::min<int64_t>(4, rows - r0), bt = r0 * (w.k / 32);
+    float* yr = ys + r0 * w.n;
+    if (w.xw) {
+      const uint32_t* xwr = w.xw + (m0 + r0) * (w.k / 2);
+      WithRows<4>(rest, [&](auto mt) { WTile<decltype(mt)::value>(xwr, sqr + bt, xsr + bt, w.k, pq, yr, w.n); });
+    } else if (w.xq && w.bits == 8) {
+      const uint32_t* xqr = w.xq + (m0 + r0) * (w.k / 4);
+      WithRows<4>(rest, [&](auto mt) { ITile8<decltype(mt)::value>(xqr, sqr + bt, w.k, pq, yr, w.n); });
+    } else if (w.xq) {
+      const uint32_t* xqr = w.xq + (m0 + r0) * (w.k / 4);
+      WithRows<4>(rest, [&](auto mt) { ITile<decltype(mt)::value>(xqr, sqr + bt, xsr + bt, w.k, pq, yr, w.n); });
     }
-    return;
   }
-  if (w.xq && (bits == 4 || bits == 8)) {  // at most 4 rows per tile (8 would spill); rows are independent
-    const uint32_t* xqr = w.xq + m0 * (w.k / 4);
-    const float* sqr = w.sq + m0 * (w.k / 32);
-    const uint8_t* pq = static_cast<const uint8_t*>(panel);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t at = r0 * (w.k / 4), bt = r0 * (w.k / 32);
-      float* yr = ys + r0 * w.n;
-      if (bits == 8) {
-        switch (std::min<int64_t>(4, rows - r0)) {
-          case 4: ITile8<4>(xqr + at, sqr + bt, w.k, pq, yr, w.n); break;
-          case 3: ITile8<3>(xqr + at, sqr + bt, w.k, pq, yr, w.n); break;
-          case 2: ITile8<2>(xqr + at, sqr + bt, w.k, pq, yr, w.n); break;
-          default: ITile8<1>(xqr + at, sqr + bt, w.k, pq, yr, w.n); break;
-        }
-        continue;
-      }
-      switch (std::min<int64_t>(4, rows - r0)) {
-        case 4: ITile<4>(xqr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n); break;
-        case 3: ITile<3>(xqr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n); break;
-        case 2: ITile<2>(xqr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n); break;
-        default: ITile<1>(xqr + at, sqr + bt, xsr + bt, w.k, pq, yr, w.n); break;
-      }
-    }
-    return;
+  if (w.xb) {  // bf16x: tiles of up to 8 rows
+    const uint32_t* xbr = w.xb + m0 * (w.k / 2);
+    WithRows<8>(rows, [&](auto mt) { XTile<decltype(mt)::value, 4>(xbr, xsr, w.k, pq, ys, w.n); });
   }
-#define HSDJAX_TILE(MT)                                                                                    \
-  (xbr && bits == 4 ? XTile<MT, 4>(xbr, xsr, w.k, static_cast<const uint8_t*>(panel), ys, w.n)             \
-   : bits == 4    ? QTile<MT, 4>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                       \
-   : bits == 8  ? QTile<MT, 8>(xs, w.k, static_cast<const uint8_t*>(panel), ys, w.n)                       \
-   : bits == 16 ? BTile<MT>(xs, w.k, static_cast<const uint16_t*>(panel), ys, w.n)                         \
-                : Tile<MT>(xs, w.k, static_cast<const float*>(panel), ys, w.n))
-  switch (rows) {
-    case 8: HSDJAX_TILE(8); break;
-    case 7: HSDJAX_TILE(7); break;
-    case 6: HSDJAX_TILE(6); break;
-    case 5: HSDJAX_TILE(5); break;
-    case 4: HSDJAX_TILE(4); break;
-    case 3: HSDJAX_TILE(3); break;
-    case 2: HSDJAX_TILE(2); break;
-    default: HSDJAX_TILE(1); break;
-  }
-#undef HSDJAX_TILE
 }
 
 // ---- exact greedy tokens through an int8 screen (`screened_argmax`) -----------------------------------
@@ -642,16 +610,17 @@ void Rows(const Work& w, int bits, const void* panel, int64_t m0, int64_t rows) 
 // its int8 rounding by at most half a step, max|x_b| / 254, in each block b of 32 k, so a logit differs
 // by at most sum_b max|x_b| / 254 * sum_{k in b} |w_kv| (plus float32 rounding of both products, far
 // below the 2^-11 slack added here). Only a column whose upper bound reaches the largest lower bound can
-// hold the maximum; the float32 chains then run on the panels holding those columns (QTile, the same
+// hold the maximum; the float32 chains then run on the panels holding those columns (PanelProduct, the same
 // chains as the full product, so the same values bit for bit) and the first largest value wins, as in
 // argmax. Rows that hold a NaN or an infinity run the chains on every panel.
 constexpr float kScreenSlack = 0.5f / 127.f + 1.f / 2048.f;
 
 // Panel p's upper bounds per column (written over its int8x products in y) and, per row, the panel's
 // largest lower and upper bound (w.lo_max / w.hi_max [M, N/32]).
-inline float MaxOf(const v16& a, const v16& b) {
-  float out = a[0] > b[0] ? a[0] : b[0];
-  for (int j = 0; j < 16; ++j) out = std::max(out, std::max(a[j], b[j]));
+inline float MaxOf(const vf* a) {
+  float out = a[0][0];
+  for (int j = 0; j < kVecs; ++j)
+    for (int l = 0; l < kLanes; ++l) out = std::max(out, a[j][l]);
   return out;
 }
 
@@ -660,55 +629,42 @@ void Bounds(const Work& w, int64_t p) {
   const float* a = w.colabs + p * blocks * kPanel;
   for (int64_t m = 0; m < w.m; ++m) {
     const float* sq = w.sq + m * blocks;  // max|x_b| / 127
-    v16 e0{}, e1{};
+    vf e[kVecs] = {};
     for (int64_t b = 0; b < blocks; ++b) {
-      v16 c0, c1;
-      __builtin_memcpy(&c0, a + b * kPanel, 64);
-      __builtin_memcpy(&c1, a + b * kPanel + 16, 64);
       const float s = sq[b] * 127.f;
-      e0 += s * c0;
-      e1 += s * c1;
+      for (int j = 0; j < kVecs; ++j) e[j] += s * Load(a + b * kPanel + j * kLanes);
     }
-    e0 *= kScreenSlack;
-    e1 *= kScreenSlack;
     float* y = w.y + m * w.n + p * kPanel;
-    v16 y0, y1;
-    __builtin_memcpy(&y0, y, 64);
-    __builtin_memcpy(&y1, y + 16, 64);
-    const v16 h0 = y0 + e0, h1 = y1 + e1;
-    __builtin_memcpy(y, &h0, 64);
-    __builtin_memcpy(y + 16, &h1, 64);
-    w.lo_max[m * panels + p] = MaxOf(y0 - e0, y1 - e1);
-    w.hi_max[m * panels + p] = MaxOf(h0, h1);
+    vf lo[kVecs], hi[kVecs];
+    for (int j = 0; j < kVecs; ++j) {
+      const vf y0 = Load(y + j * kLanes), ej = e[j] * kScreenSlack;
+      lo[j] = y0 - ej;
+      hi[j] = y0 + ej;
+      Store(y + j * kLanes, hi[j]);
+    }
+    w.lo_max[m * panels + p] = MaxOf(lo);
+    w.hi_max[m * panels + p] = MaxOf(hi);
   }
 }
 
-// Up to 8 rows read a compressed (or bfloat16) panel once, decoding on the fly; more rows decode it
-// once into a buffer (L2-sized) and sweep that per 8 rows. Either way every output is the same chain
-// over k.
+// Every panel of the chunk [p0, p1) for all rows: the float32 chains (PanelProduct), or the activation
+// modes' tiles.
 void Panels(const Work& w) {
-  std::unique_ptr<float[]> decoded;
-  if (w.bits != 32 && w.m > 8 && !w.xb && !w.xq && !w.xw) decoded.reset(new float[w.k * kPanel]);  // bf16x / int8x 4-bit: per 8 rows
+  alignas(64) float buf[kBf16BlockRows * kPanel];  // one decoded block (4 KB)
+  const bool quantized = w.QuantizedActivations();
   for (int64_t p = w.p0; p < w.p1; ++p) {
     const void* panel = static_cast<const uint8_t*>(w.wp) + p * w.panel_bytes;
-    int bits = w.bits;
-    if (decoded) {
-      if (bits == 16) {
-        DecodeBf16Panel(static_cast<const uint16_t*>(panel), w.k, decoded.get());
-      } else if (bits == 4) {
-        DecodePanel<4>(static_cast<const uint8_t*>(panel), w.k, decoded.get());
-      } else {
-        DecodePanel<8>(static_cast<const uint8_t*>(panel), w.k, decoded.get());
-      }
-      panel = decoded.get();
-      bits = 32;
+    float* y = w.y + p * kPanel;
+    if (quantized) {
+      for (int64_t m0 = 0; m0 < w.m; m0 += 8)
+        ActivationRows(w, static_cast<const uint8_t*>(panel), y, m0, std::min<int64_t>(8, w.m - m0));
+    } else {
+      PanelProduct(w.x, w.m, w.k, panel, w.bits, y, w.n, buf);
     }
-    Work at = w;
-    at.y = w.y + p * kPanel;
-    for (int64_t m0 = 0; m0 < w.m; m0 += 8) Rows(at, bits, panel, m0, std::min<int64_t>(8, w.m - m0));
     if (w.colabs) Bounds(w, p);
   }
 }
+
 
 // One call's panels, claimed in chunks by the calling thread and by tasks on XLA's intra-op thread
 // pool (shared: a task that starts after the call returned finds nothing left and only drops it).
@@ -741,7 +697,7 @@ ffi::Error RunChunks(ffi::ThreadPool& pool, const Work& all) {
   call->chunks = std::min<int64_t>(panels / 4, 4 * (helpers + 1));
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([call] { call->Run(); });
   call->Run();
-  while (call->done.load(std::memory_order_acquire) < call->chunks) __builtin_ia32_pause();
+  while (call->done.load(std::memory_order_acquire) < call->chunks) hsdjax_simd::CpuRelax();
   return ffi::Error::Success();
 }
 
@@ -874,9 +830,10 @@ Best ExactBest(const float* x, int64_t k, const uint8_t* wq, int64_t panel_bytes
                int64_t count, Keep&& keep) {
   Best best;
   alignas(64) float y[kPanel];
+  alignas(64) float buf[kBf16BlockRows * kPanel];
   for (int64_t i = 0; i < count; ++i) {
     const int64_t p = panels[i];
-    QTile<1, 8>(x, k, wq + p * panel_bytes, y, kPanel);
+    PanelProduct(x, 1, k, wq + p * panel_bytes, 8, y, kPanel, buf);
     for (int64_t j = 0; j < kPanel; ++j) {
       if (keep(p * kPanel + j)) best.Offer(p * kPanel + j, y[j]);
     }
@@ -1008,3 +965,8 @@ extern "C" int HsdjaxHasInt16x() { return kHaveInt16x ? 1 : 0; }
 
 // Whether this build has the bfloat16-activation products (AVX512-BF16 and AVX512-VBMI).
 extern "C" int HsdjaxHasBf16x() { return kHaveBf16x ? 1 : 0; }
+
+// The instruction set this library was compiled for ("avx512", "avx2", "neon", "generic") and the floats
+// per native vector.
+extern "C" const char* HsdjaxIsa() { return hsdjax_simd::kIsa; }
+extern "C" int HsdjaxLanes() { return hsdjax_simd::kLanes; }

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-PANEL = 32  # output columns per panel: two 16-float vectors per row
+PANEL = 32  # output columns per panel: 2, 4 or 8 native vectors per row (AVX-512, AVX2, NEON)
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cc"))  # one library: matmul and cache attention
 TARGET = "hsdjax_panel_matmul"
@@ -54,7 +54,9 @@ ATTENTION_TARGET = "hsdjax_cache_attention"
 ATTENTION_F16_TARGET = "hsdjax_cache_attention_f16"  # the same over a float16 KV cache
 TREE_ATTENTION_TARGET = "hsdjax_tree_attention"  # cache and new tokens in position order (cpu_attention.cc)
 TREE_ATTENTION_F16_TARGET = "hsdjax_tree_attention_f16"  # the same over a float16 KV cache
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-Wall")
+HEADER_FILE = Path(__file__).with_name("cpu_simd.h")  # the native vector per instruction set, included by both
+ARCH_ENV = "HSDJAX_CPU_ARCH"  # which -march the library is built and loaded for: "native" (default), "x86-64-v3", ...
 BLOCK_ROWS = {4: 32, 8: 16}  # k per compressed block (see cpu_matmul.cc)
 HEADER = {4: 2 * PANEL * 4, 8: PANEL * 4}  # a block's scales (and offsets), float32
 BLOCK_BYTES = {b: HEADER[b] + BLOCK_ROWS[b] * PANEL * b // 8 for b in (4, 8)}  # 768 / 640
@@ -67,33 +69,79 @@ class CpuMatmulError(RuntimeError):
     """The kernel cannot be built or loaded (the message says why)."""
 
 
-def library_path() -> Path:
-    """Where the built kernel lives: one file per source, JAX version and machine."""
+def arch() -> str:
+    """The ``-march`` of the library this process builds and loads (``HSDJAX_CPU_ARCH``, default native)."""
+    return os.environ.get(ARCH_ENV) or "native"
+
+
+def cpu_features() -> str:
+    """This CPU's model and vector extensions as the OS reports them (part of the build's cache key, so
+    a home folder shared by machines of different kinds never loads a library built for another one)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    fields = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', platform.processor())} | {fields.get('flags', fields.get('Features', ''))}"
+
+
+VECTOR_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "avx2",
+                "fma", "f16c", "avx", "sse4_2", "asimd", "asimddp", "sve", "bf16", "i8mm")
+
+
+def cpu_summary() -> str:
+    """The CPU's model and the vector extensions that matter here, e.g. "AMD EPYC (avx2, fma, f16c)"."""
+    model, _, flags = cpu_features().partition(" | ")
+    have = set(flags.split())
+    named = [f for f in VECTOR_FLAGS if f in have]
+    return f"{model.strip() or platform.machine()} ({', '.join(named) or platform.machine()})"
+
+
+def library_path(march: str | None = None) -> Path:
+    """Where the built kernel lives: one file per source, flags, -march, JAX version, machine and CPU
+    extensions."""
     from hsdjax.paths import cache_dir
 
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(FLAGS).encode() + jax.__version__.encode()
-                         + platform.machine().encode() + platform.node().encode()).hexdigest()[:12]
-    return cache_dir("cpu_matmul") / f"libhsdjax_panel_matmul-{key}.so"
+    march = march or arch()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in (*SOURCES, HEADER_FILE)) + " ".join(FLAGS).encode()
+                         + march.encode() + jax.__version__.encode() + platform.machine().encode()
+                         + platform.node().encode() + cpu_features().encode()).hexdigest()[:12]
+    return cache_dir("cpu_matmul") / f"libhsdjax_panel_matmul-{march}-{key}.so"
 
 
 def is_built() -> bool:
     return library_path().is_file()
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the kernel (a few seconds) into hsdjax's cache; returns the library's path."""
+def compile_command(cxx: str, out: Path, march: str | None = None) -> list[str]:
+    """The compiler call that builds the library for ``-march=march`` (XLA's FFI headers as system
+    headers: their warnings are theirs; ours are shown)."""
+    return [cxx, *FLAGS, f"-march={march or arch()}", "-isystem", jax.ffi.include_dir(), *map(str, SOURCES), "-o",
+            str(out), "-lpthread"]
+
+
+def build(compiler: str | None = None, march: str | None = None) -> Path:
+    """Compile the kernel (a few seconds) into hsdjax's cache; returns the library's path. Compiler
+    warnings, if any, are kept in ``last_build_warnings``."""
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise CpuMatmulError("no C++ compiler found (install g++, or set CXX); hsdjax keeps XLA's matmul")
-    out = library_path()
+    out = library_path(march)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp), "-lpthread"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(compile_command(cxx, tmp, march), capture_output=True, text=True)
     if done.returncode:
         tmp.unlink(missing_ok=True)
         raise CpuMatmulError(f"compiling {', '.join(f.name for f in SOURCES)} failed:\n{done.stderr[-2000:]}")
+    _state["warnings"] = done.stderr.strip()
     tmp.replace(out)  # atomic: a concurrent loader sees the old file or the new one
     return out
+
+
+def last_build_warnings() -> str:
+    return _state.get("warnings", "")
 
 
 def load() -> bool:
@@ -120,8 +168,18 @@ def load() -> bool:
         jax.ffi.register_ffi_target(TREE_ATTENTION_TARGET, jax.ffi.pycapsule(lib.HsdjaxTreeAttention), platform="cpu")
         jax.ffi.register_ffi_target(TREE_ATTENTION_F16_TARGET, jax.ffi.pycapsule(lib.HsdjaxTreeAttentionF16),
                                     platform="cpu")
+        lib.HsdjaxIsa.restype = ctypes.c_char_p
         _state["loaded"] = lib
     return True
+
+
+def instruction_set() -> str:
+    """What the loaded library was compiled for: "avx512", "avx2", "neon" or "generic" and its vector
+    width, e.g. "avx2 (8 floats per vector)"; "" when no library is loaded."""
+    if not load():
+        return ""
+    lib = _state["loaded"]
+    return f"{lib.HsdjaxIsa().decode()} ({lib.HsdjaxLanes()} floats per vector)"
 
 
 def has_bf16x() -> bool:
@@ -406,7 +464,8 @@ def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str =
     return y.reshape(*y.shape[:-2], -1)
 
 
-def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32") -> Float[Array, "... N"]:
+def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32",
+                 max_rows: int = 0) -> Float[Array, "... N"]:
     """``x @ unpack(wp)`` through the kernel, float32, bfloat16 or compressed panels (call ``load`` first).
 
     ``activations="bfloat16"`` (4-bit compressed panels; ``load_model(cpu_matmul="bf16x")``): x rounded
@@ -415,11 +474,15 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
     the float32 products. ``"int8"`` (``cpu_matmul="int8x"``): x quantized to int8 per 32 k and
     multiplied with AVX512-VNNI (four k per instruction) by 4-bit and 8-bit panels (K a multiple of 32),
     coarser still, same for every M too. ``"int16"`` (``cpu_matmul="int16x"``, 4-bit panels): x quantized
-    to int16 per 32 k, two k per VNNI instruction, within ~1e-5 of the float32 products, same for every M."""
+    to int16 per 32 k, two k per VNNI instruction, within ~1e-5 of the float32 products, same for every M.
+    ``max_rows`` (float32 activations): more rows than that go through XLA's dot on the decoded weights
+    instead (``measured_verdict`` sets it where XLA's dot is faster for long passes; 0: no limit)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:
         rows *= s
+    if max_rows and rows > max_rows and activations == "float32":  # where XLA's dot measured faster
+        return panel_matmul_reference(x.astype(jnp.float32), wp)
     n = wp.shape[0] * PANEL
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     if is_compressed(wp):
@@ -471,3 +534,108 @@ def screened_argmax(x: Float[Array, "... K"], wq: Any, colabs: Any) -> Int[Array
     y = jax.ffi.ffi_call(SCREENED_ARGMAX_TARGET, out, vmap_method="sequential")(
         x.reshape(rows, k).astype(jnp.float32), wq, colabs)
     return y.reshape(lead)
+
+
+# ------------------------------------------------------------------------------- a default by measurement
+
+MEASURED_ROWS = (1, 8, 64)  # rows of x: a decoding step, a tree pass, a prefill chunk
+
+
+def _median_pair(kernel, xla, x, wk, wx, reps: int) -> tuple[float, float]:
+    """Medians of interleaved timings of kernel(x, wk) and xla(x, wx) (both compiled first)."""
+    import time
+
+    kernel(x, wk).block_until_ready()
+    xla(x, wx).block_until_ready()
+    ts_k, ts_x = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        kernel(x, wk).block_until_ready()
+        ts_k.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        xla(x, wx).block_until_ready()
+        ts_x.append(time.perf_counter() - t)
+    return float(np.median(ts_k)), float(np.median(ts_x))
+
+
+def model_weights(params: dict[str, Any]) -> list[tuple[Any, int]]:
+    """The distinct packed weights of a packed model, each with how many times a step multiplies by a
+    weight of its shape and format: one layer's projections (times the layers) and the LM head."""
+    layers = [v for k, v in params.items() if k.startswith("blocks_")]
+    count = len(layers)
+    if "layers" in params:  # scanned: one stacked array per projection
+        one = {k: v[0] for k, v in params["layers"].items() if k in PACKED_WEIGHTS}
+        count = next(iter(params["layers"].values())).shape[0]
+    else:
+        one = {k: v for k, v in layers[0].items() if k in PACKED_WEIGHTS} if layers else {}
+    seen: dict[tuple, list] = {}
+    for w in one.values():
+        key = (tuple(w.shape), str(w.dtype))
+        seen.setdefault(key, [w, 0])[1] += count
+    seen.setdefault((tuple(params["head_panels"].shape), str(params["head_panels"].dtype)),
+                    [params["head_panels"], 0])[1] += 1
+    return [(w, n) for w, n in seen.values()]
+
+
+def measure_against_xla(weights: list[tuple[Any, int]], activations: str = "float32",
+                        rows: tuple[int, ...] = MEASURED_ROWS, reps: int = 7) -> dict[int, dict[str, float]]:
+    """For each row count M: the seconds one model step's matmuls take through the kernel and through
+    XLA's dot on the same weights as float32 matrices (what ``cpu_matmul="off"`` runs), summed over
+    ``weights`` ((panels, times per step)); medians of ``reps`` interleaved calls per weight."""
+    kernel = jax.jit(functools.partial(panel_matmul, activations=activations))
+    xla = jax.jit(lambda x, w: x @ w)
+    rng = np.random.default_rng(0)
+    out = {}
+    for m in rows:
+        total_k = total_x = 0.0
+        for wp, times in weights:
+            dense = unpack(decompress(wp) if is_compressed(wp) else wp.astype(jnp.float32))
+            x = jnp.asarray(rng.standard_normal((m, dense.shape[0]), np.float32))
+            t_k, t_x = _median_pair(kernel, xla, x, wp, dense, reps)
+            total_k += t_k * times
+            total_x += t_x * times
+            del dense
+        out[m] = {"kernel_s": total_k, "xla_s": total_x}
+    return out
+
+
+def measured_verdict(params: dict[str, Any], activations: str = "float32", fresh: bool = False) -> dict[str, Any]:
+    """Whether this machine's kernel beats XLA's dot on a packed model's own matmuls, measured once per
+    library, model shapes and mode and cached: {"use": bool, "max_rows": the largest measured row count
+    up to which the kernel is faster at every measured count (0: not even one row), "ratios": {M: XLA's
+    time / the kernel's}, "isa", "why": one line}."""
+    import json
+
+    from hsdjax.paths import cache_dir
+
+    weights = model_weights(params)
+    sig = hashlib.sha256(repr(sorted((tuple(w.shape), str(w.dtype), n) for w, n in weights)).encode()
+                         + activations.encode() + repr(MEASURED_ROWS).encode()).hexdigest()[:12]
+    path = cache_dir("cpu_matmul") / f"verdict-{library_path().stem}-{sig}.json"
+    if path.is_file() and not fresh:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    timings = measure_against_xla(weights, activations)
+    ratios = {m: t["xla_s"] / t["kernel_s"] for m, t in timings.items()}
+    max_rows = 0
+    for m in MEASURED_ROWS:
+        if ratios[m] <= 1.0:
+            break
+        max_rows = m
+    isa = instruction_set()
+    shown = ", ".join(f"M={m} {r:.2f}x" for m, r in ratios.items())
+    if max_rows == 0:
+        why = f"XLA's dot: on this CPU ({isa}) the kernel is slower for one row ({shown} XLA's speed)"
+    elif max_rows < MEASURED_ROWS[-1]:
+        why = (f"the kernel ({isa}) for up to {max_rows} rows ({shown} XLA's speed); longer passes "
+               f"(prefill chunks) through XLA's dot")
+    else:
+        why = f"the kernel ({isa}): {shown} XLA's speed on this model's matmuls"
+    verdict = {"use": max_rows > 0, "max_rows": max_rows, "ratios": {str(m): r for m, r in ratios.items()},
+               "isa": isa, "why": why, "timings": {str(m): t for m, t in timings.items()}}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(verdict, indent=1))
+    tmp.replace(path)
+    return verdict
