@@ -6,7 +6,7 @@ HSDJAX := $(VENV)/bin/hsdjax
 DEFAULT_MODEL := smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow setup model model-runtime cpu-matmul bench-ar clean
+.PHONY: demo test test-slow setup model model-runtime cpu-matmul cross-tools bench-ar clean
 
 # The runtime alone (what `make demo` needs: no torch, transformers or llama.cpp).
 $(VENV)/.runtime: pyproject.toml
@@ -47,10 +47,20 @@ model: setup
 cpu-matmul: $(VENV)/.runtime
 	$(HSDJAX) cpu-matmul build --optional
 
+# The ARM build of the kernels' self-test runs under emulation in `make test` (tests/test_cpu_isa.py):
+# Debian's aarch64 cross compiler and qemu's user-mode emulator, installed where apt can (as root).
+cross-tools:
+	@if [ "$$(uname -m)" = x86_64 ] && ! { command -v qemu-aarch64 && command -v aarch64-linux-gnu-g++; } >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "== installing g++-aarch64-linux-gnu and qemu-user (the kernels' ARM self-test), once"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null; } \
+	      || echo "note: could not install them; the ARM self-test skips"; \
+	  else echo "note: no aarch64 cross compiler / qemu-aarch64 (not root or no apt); the ARM self-test skips"; fi; fi
+
 demo: model-runtime cpu-matmul
 	$(HSDJAX) demo
 
-test: model cpu-matmul
+test: model cpu-matmul cross-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-slow: model cpu-matmul

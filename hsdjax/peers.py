@@ -12,7 +12,9 @@ so its memory stays bounded and its thread pool does not compete with XLA's insi
 Kinds and their modes: ``hf`` -- transformers ``generate``: ``plain`` (peer ``hf-ar``), ``lookup``
 (``hf-pld``, prompt lookup decoding) and, when started with ``--assistant DRAFT``, ``assisted``
 (``hf-assisted``); one worker serves all three with one copy of the weights. ``llamacpp`` --
-llama-cpp-python on the GGUF as shipped (quantized kernels, so its tokens may differ from float32).
+llama-cpp-python on the GGUF as shipped (quantized kernels, so its tokens may differ from float32):
+``plain`` (peer ``llamacpp``) and ``lookup`` (``llamacpp-pld``, its prompt-lookup speculative decoding,
+whose tokens the bench checks against its own plain decoding's).
 transformers loads the same GGUF with its own dequantizer, so it runs the same weights as hsdjax.
 torch, transformers and llama-cpp-python are optional (the ``test`` / ``llamacpp`` extras).
 """
@@ -35,7 +37,9 @@ PEERS = {  # name -> (worker kind, decoding mode)
     "hf-assisted": ("hf", "assisted"),
     "hf-pld": ("hf", "lookup"),
     "llamacpp": ("llamacpp", "plain"),
+    "llamacpp-pld": ("llamacpp", "lookup"),
 }
+LLAMACPP_LOOKUP_TOKENS = 10  # llama.cpp's prompt lookup: tokens proposed per guess (llama-cpp-python's default)
 PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt lookup: tokens proposed per guess
 
 
@@ -226,12 +230,30 @@ def _llamacpp_generator(args: argparse.Namespace, eos: list[int]):
 
     from hsdjax import registry
 
-    llm = Llama(model_path=str(registry.resolve(args.model, check=False).path), n_ctx=4096,
-                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    path = str(registry.resolve(args.model, check=False).path)
+    engines: dict[str, Any] = {}
+
+    def engine(mode: str) -> Any:
+        """The plain engine, or (made on first use) one with llama-cpp-python's prompt-lookup drafter,
+        which needs the logits of every position; the GGUF is memory-mapped once by both."""
+        if mode not in engines:
+            if mode == "lookup":
+                from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+                extra = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=LLAMACPP_LOOKUP_TOKENS),
+                         "logits_all": True}
+            else:
+                extra = {}
+            engines[mode] = Llama(model_path=path, n_ctx=4096, n_threads=args.threads, n_threads_batch=args.threads,
+                                  verbose=False, **extra)
+        return engines[mode]
+
+    engine("plain")
 
     def generate(ids: list[int], max_new_tokens: int, mode: str) -> dict[str, Any]:
-        if mode != "plain":
+        if mode not in ("plain", "lookup"):
             raise ValueError(f"mode {mode!r} not served by the llama.cpp worker")
+        llm = engine(mode)
         tokens: list[int] = []
         t0 = time.perf_counter()
         prefill = 0.0

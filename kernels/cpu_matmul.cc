@@ -549,6 +549,53 @@ void WTile(const uint32_t* xw, const float* sq, const float* xs, int64_t k_len, 
     _mm512_storeu_ps(y + m * n + 16, a1[m]);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same products with AVX2: vpmaddwd multiplies the k pair's int16 codes and activations and adds
+// the two products per lane (exact), a vpaddd accumulates them; 8 columns per vector, so a row's 32
+// columns are 4 int32 accumulators and a tile holds 2 rows (16 registers). The float32 chains of a
+// tile pause in y between blocks (loaded, two fused multiply-adds per block as above, stored), so every
+// output is the AVX-512 build's sequence of operations: the same bits on both instruction sets.
+constexpr bool kHaveInt16x = true;
+
+template <int MT>
+void WTile(const uint32_t* xw, const float* sq, const float* xs, int64_t k_len, const uint8_t* panel, float* y,
+           int64_t n) {
+  using F = Format<4>;
+  const int64_t pairs_per_row = k_len / 2, x_blocks = k_len / 32;
+  const __m128i nib = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < k_len / F::kRows; ++b) {
+    const uint8_t* blk = panel + b * F::kBlockBytes;
+    __m256i acc[MT][4];
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_si256();
+    for (int64_t kp = 0; kp < F::kRows / 2; ++kp) {
+      const uint8_t* rows = blk + F::kHeader + 2 * kp * F::kRowBytes;
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));
+      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 16));
+      const __m128i lo = _mm_unpacklo_epi8(r0, r1), hi = _mm_unpackhi_epi8(r0, r1);  // columns 0-7, 8-15 (+16)
+      const __m256i w[4] = {_mm256_cvtepu8_epi16(_mm_and_si128(lo, nib)), _mm256_cvtepu8_epi16(_mm_and_si128(hi, nib)),
+                            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(lo, 4), nib)),
+                            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(hi, 4), nib))};
+      const int64_t pair = b * (F::kRows / 2) + kp;
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xv = _mm256_set1_epi32(static_cast<int>(xw[m * pairs_per_row + pair]));
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(w[j], xv));
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256 scale = _mm256_set1_ps(sq[m * x_blocks + b]), sx = _mm256_set1_ps(xs[m * x_blocks + b]);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * j);
+        const __m256 o = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 128) + 8 * j);
+        float* yj = y + m * n + 8 * j;
+        __m256 a = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yj);
+        a = _mm256_fmadd_ps(o, sx, a);
+        a = _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_cvtepi32_ps(acc[m][j]), a);
+        _mm256_storeu_ps(yj, a);
+      }
+    }
+  }
+}
 #else
 constexpr bool kHaveInt16x = false;
 template <int MT>
@@ -587,9 +634,15 @@ void ActivationRows(const Work& w, const uint8_t* pq, float* y, int64_t m0, int6
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // at most 4 rows per integer tile (8 would spill)
     const int64_t rest = std::min<int64_t>(4, rows - r0), bt = r0 * (w.k / 32);
     float* yr = ys + r0 * w.n;
-    if (w.xw) {
-      const uint32_t* xwr = w.xw + (m0 + r0) * (w.k / 2);
-      WithRows<4>(rest, [&](auto mt) { WTile<decltype(mt)::value>(xwr, sqr + bt, xsr + bt, w.k, pq, yr, w.n); });
+    if (w.xw) {  // (2 rows per tile with AVX2's 16 registers)
+      constexpr int kRows16 = hsdjax_simd::kRegisters >= 32 ? 4 : 2;
+      for (int64_t s0 = 0; s0 < rest; s0 += kRows16) {
+        const uint32_t* xwr = w.xw + (m0 + r0 + s0) * (w.k / 2);
+        const int64_t st = (r0 + s0) * (w.k / 32);
+        WithRows<kRows16>(std::min<int64_t>(kRows16, rest - s0), [&](auto mt) {
+          WTile<decltype(mt)::value>(xwr, sqr + st, xsr + st, w.k, pq, yr + s0 * w.n, w.n);
+        });
+      }
     } else if (w.xq && w.bits == 8) {
       const uint32_t* xqr = w.xq + (m0 + r0) * (w.k / 4);
       WithRows<4>(rest, [&](auto mt) { ITile8<decltype(mt)::value>(xqr, sqr + bt, w.k, pq, yr, w.n); });
@@ -762,7 +815,7 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
   }
   if (act == Activations::kInt16 && bits == 4) {  // x is quantized per 32 k (8-bit blocks: the float32 chains)
     if (!kHaveInt16x) {
-      return ffi::Error::InvalidArgument("hsdjax int16x matmul: this build has no AVX512-VNNI / AVX512-BW");
+      return ffi::Error::InvalidArgument("hsdjax int16x matmul: this build has neither AVX512-VNNI / AVX512-BW nor AVX2");
     }
     xw.reset(new uint32_t[m * (k / 2)]);
     sq.reset(new float[m * (k / 32)]);
@@ -960,7 +1013,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxScreenedArgmax, ScreenedArgmax,
 // Whether this build has the int8-activation products (AVX512-VNNI and AVX512-VBMI).
 extern "C" int HsdjaxHasInt8x() { return kHaveInt8x ? 1 : 0; }
 
-// Whether this build has the int16-activation products (AVX512-VNNI and AVX512-BW).
+// Whether this build has the int16-activation products (AVX512-VNNI and AVX512-BW, or AVX2).
 extern "C" int HsdjaxHasInt16x() { return kHaveInt16x ? 1 : 0; }
 
 // Whether this build has the bfloat16-activation products (AVX512-BF16 and AVX512-VBMI).

@@ -43,6 +43,14 @@ constexpr bool kFused = true;
 constexpr bool kFused = false;
 #endif
 
+// A float16 value as stored (the KV cache's half precision): GCC's _Float16 on x86, __fp16 on ARM
+// (GCC 12's C++ has no _Float16 there).
+#if defined(__aarch64__)
+typedef __fp16 half;
+#else
+typedef _Float16 half;
+#endif
+
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
@@ -155,7 +163,7 @@ inline void SignedBytesToFloat(const uint8_t* p, vf* out) {
 }
 
 // kLanes halves widened to float32 (exact).
-inline vf HalfToFloat(const _Float16* p) {
+inline vf HalfToFloat(const half* p) {
 #if defined(__AVX512F__)
   const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__AVX2__) && defined(__F16C__)

@@ -154,6 +154,58 @@ void MatmulChecks() {
   }
 }
 
+// int16x (4-bit panels): x quantized to int16 per 32 k; per block y = fma(offset, sum(q) * scale, y), then
+// y = fma(d * scale, float(sum(q * code)), y), the integer sums exact.
+void Int16xChecks() {
+  if (!kHaveInt16x) {
+    std::printf("int16x: not in this build\n");
+    return;
+  }
+  for (int64_t k : {64, 576}) {
+    const int64_t n = 64, m_max = 9;
+    const Weights wt = Make(4, k, n);
+    std::vector<float> x(m_max * k);
+    for (float& v : x) v = Uniform();
+    std::vector<uint32_t> xw(m_max * k / 2);
+    std::vector<float> sq(m_max * k / 32), xs(m_max * k / 32);
+    QuantizeActivations16(x.data(), m_max, k, xw.data(), sq.data(), xs.data());
+    const int16_t* q = reinterpret_cast<const int16_t*>(xw.data());
+    std::vector<float> ref(m_max * n);
+    for (int64_t r = 0; r < m_max; ++r)
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t p = c / kPanel, j = c % kPanel;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < k / 32; ++b) {
+          const uint8_t* blk = wt.bytes.data() + p * wt.panel_bytes + b * Format<4>::kBlockBytes;
+          float d, o;
+          std::memcpy(&d, blk + 4 * j, 4);
+          std::memcpy(&o, blk + 128 + 4 * j, 4);
+          int32_t isum = 0;
+          for (int64_t kk = 0; kk < 32; ++kk) {
+            const uint8_t byte = blk[Format<4>::kHeader + kk * 16 + j % 16];
+            isum += (j < 16 ? byte & 15 : byte >> 4) * q[r * k + 32 * b + kk];
+          }
+          const float scale = sq[r * (k / 32) + b];
+          acc = std::fma(o, xs[r * (k / 32) + b], acc);
+          acc = std::fma(d * scale, static_cast<float>(isum), acc);
+        }
+        ref[r * n + c] = acc;
+      }
+    for (int64_t m : {1, 2, 3, 8, 9}) {
+      std::vector<float> y(m * n, -1.0f);
+      Work w{x.data(), m, k, wt.bytes.data(), wt.panel_bytes, 4, 0, n / kPanel, y.data(), n};
+      w.xw = xw.data();
+      w.sq = sq.data();
+      w.xs = xs.data();
+      Panels(w);
+      Check(std::memcmp(y.data(), ref.data(), m * n * 4) == 0,
+            "int16x k=" + std::to_string(k) + " m=" + std::to_string(m) + " equals its scalar reference bit for bit");
+    }
+    std::printf("matmul int16x k=%lld %016llx\n", static_cast<long long>(k),
+                static_cast<unsigned long long>(Hash(ref.data(), ref.size() * 4)));
+  }
+}
+
 }  // namespace selftest
 
 int main(int argc, char** argv) {
@@ -176,6 +228,7 @@ int main(int argc, char** argv) {
   }
   std::printf("instruction set %s, %d floats per vector\n", hsdjax_simd::kIsa, hsdjax_simd::kLanes);
   MatmulChecks();
+  Int16xChecks();
   std::printf("selftest: %d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

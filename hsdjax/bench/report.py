@@ -94,6 +94,8 @@ def summarize(raw: dict[str, list[dict[str, Any]]], external: set[str], greedy: 
             rs = [r for r in recs if cat == "overall" or r["category"] == cat]
             if rs:
                 rows[cat] = _summary_row(rs, base, method not in external, greedy)
+        if greedy and method == "llamacpp-pld" and raw.get("llamacpp"):  # lossless against its own plain decoding?
+            _identical_to(rows, recs, raw["llamacpp"], "identical_to_llamacpp")
         out[method] = {"external": method in external, "by_category": rows}
     return out
 
@@ -112,6 +114,16 @@ def _summary_row(rs: list[dict[str, Any]], base: dict[int, dict[str, Any]], loca
         row["identical_to_ar"] = all(r["tokens"] == base[r["question_id"]]["tokens"] for r in rs
                                      if r["question_id"] in base)
     return row
+
+
+def _identical_to(rows: dict[str, Any], recs: list[dict[str, Any]], other: list[dict[str, Any]], key: str) -> None:
+    """rows[cat][key]: whether every answer in recs equals the same question's answer in other."""
+    theirs = {r["question_id"]: r["tokens"] for r in other}
+    for cat, row in rows.items():
+        pairs = [(r["tokens"], theirs[r["question_id"]]) for r in recs
+                 if (cat == "overall" or r["category"] == cat) and r["question_id"] in theirs]
+        if pairs:
+            row[key] = all(a == b for a, b in pairs)
 
 
 def _counters(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -173,14 +185,17 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [f"# hsdjax bench: {meta['model']}", "",
              f"{meta['questions']} questions ({', '.join(meta['files'])}; {meta.get('selection', 'all')}), up to {meta['max_new_tokens']} new tokens "
              f"per turn, temperature {meta['temperature']}, {meta['started']}. Speed: Spec-Bench arithmetic (mean over "
-             "questions of new tokens / wall time; speed-up = ratio of means vs `ar`; compile excluded).", ""]
+             "questions of new tokens / wall time; speed-up = ratio of means vs `ar`; compile excluded).", "",
+             f"Machine: {meta.get('machine', 'not recorded')}.", ""]
     cats = _categories(summary)
     lines += ["Speed-up over `ar` by category (Spec-Bench arithmetic):", "",
               "| method | " + " | ".join(cats) + " | identical to ar |", "|" + " --- |" * (len(cats) + 2)]
     for method, m in summary.items():
         cells = [_fmt((m["by_category"].get(c) or {}).get("speedup_vs_ar"), ".2f", "x") for c in cats]
-        lines.append(f"| {_label(method, m)} | " + " | ".join(cells)
-                     + f" | {_fmt(m['by_category']['overall'].get('identical_to_ar'))} |")
+        same = _fmt(m['by_category']['overall'].get('identical_to_ar'))
+        if "identical_to_llamacpp" in m["by_category"]["overall"]:
+            same += f" (to llamacpp: {_fmt(m['by_category']['overall']['identical_to_llamacpp'])})"
+        lines.append(f"| {_label(method, m)} | " + " | ".join(cells) + f" | {same} |")
     lines += ["", "Per category:", ""]
     header = ("| method | category | questions | tokens/s | speed-up vs ar | mean accepted length | "
               "target passes / token | drafter passes (chain steps) / token | draft utilisation | "

@@ -46,9 +46,22 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
                                        f"first {limit} per file" if limit else "") if x) or "all"
     meta = {"model": model.name, "questions": len(questions), "files": [Path(f).name for f in question_files],
             "selection": selection, "method_options": options, "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "seed": seed, "notes": notes, "started": started}
+            "temperature": temperature, "seed": seed, "notes": notes, "started": started,
+            "machine": machine_line(model)}
     raw = store.load_raw(out, [r.name for r in runners], {q.question_id for q in questions})
     return write_report(out, raw, {r.name for r in runners if r.external}, meta)
+
+
+def machine_line(model: Any) -> str:
+    """Where the figures were measured: the CPU model and its vector extensions (or the accelerator),
+    and the path hsdjax's matmuls took."""
+    import jax
+
+    from hsdjax.kernels import cpu_matmul
+
+    device = (f"CPU {cpu_matmul.cpu_summary()}" if jax.default_backend() == "cpu"
+              else f"{jax.default_backend()}: {jax.devices()[0].device_kind}")
+    return f"{device}; hsdjax: {model.backend_line() or 'XLA'}"
 
 
 def answer_all(out: Path, model_name: str, runners: list[Any], questions: list[Question], max_new: int,

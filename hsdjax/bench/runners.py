@@ -103,6 +103,9 @@ def make_runners(model: Any, methods: list[str], options: dict[str, Any], temper
     peers, workers = start_peers(peer_names, model.name, model.tokenizer.stop_ids, dtype=peer_dtype, draft=draft)
     if peer_dtype != "float32" and any(PEERS[m][0] == "hf" for m in peer_names):
         notes.append(f"transformers peers ran in {peer_dtype} (hsdjax: {model.cfg.dtype})")
+    if "llamacpp-pld" in peers:
+        notes.append("llamacpp-pld is llama.cpp's own prompt-lookup decoding; its greedy tokens are checked "
+                     "against llamacpp's plain decoding where both ran (identical_to_llamacpp)")
     if "llamacpp" in peers:
         notes.append("llamacpp runs the GGUF's quantized kernels (weights as shipped, activations quantized "
                      "on the fly), not float32 on the dequantized weights, so its greedy tokens may differ from ar")
