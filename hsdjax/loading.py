@@ -199,7 +199,7 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     unsharded models only; the same outputs bit for bit). None (default): fused when the CPU kernels run
     (``cpu_matmul``) and the parts' packed panels are stored alike in every layer (their panels are
     joined after packing): fewer kernel calls, the same x read once, measured 3-6% faster for 2- and
-    8-node passes and equal or faster for a one-token step (``benchmarks/model_variants.py --compare fused``,
+    8-node passes and equal or faster for a one-token step (``experiments/model_variants.py --compare fused``,
     2026-12-04); separate otherwise (on XLA's own CPU dot the fused form was 3-5% slower for trees).
 
     ``layer_loop`` is ``scan`` (stacked weights under ``lax.scan``) or ``unrolled`` (per-layer weights);

@@ -287,7 +287,7 @@ class Transformer(nn.Module):
         """``argmax_last(logits(hidden))``; with ``cfg.screened_head`` the same index without most of the
         head's float32 products (``cpu_matmul.screened_argmax``) where that pays: two rows or more (a tree
         pass, a batch). One row streams the whole head either way, and there the screen's bounds only add
-        work (`ar` 0-5% slower, ``benchmarks/model_variants.py --compare screened``)."""
+        work (`ar` 0-5% slower, ``experiments/model_variants.py --compare screened``)."""
         if self.cfg.screened_head and math.prod(hidden.shape[:-1]) >= 2:
             params = self.variables["params"]
             return screened_argmax(hidden, params["head_panels"], params["head_colabs"])
@@ -326,7 +326,7 @@ def fuse_projections(params: dict[str, Any], packed: bool = False) -> dict[str, 
 
     Fewer, wider matmuls (each input read once; fewer kernel calls). On XLA's own CPU dot the fused form
     was 3-5% slower for 2-16-token tree passes; through the CPU kernels 3-6% faster
-    (``benchmarks/model_variants.py --compare fused``), so ``load_model`` fuses when the kernels run."""
+    (``experiments/model_variants.py --compare fused``), so ``load_model`` fuses when the kernels run."""
     def fuse(layer: dict[str, Any], stacked: bool) -> dict[str, Any] | None:
         out = dict(layer)
         for fused, parts in FUSED_PROJECTIONS.items():

@@ -24,7 +24,7 @@ round. Target embeddings are frozen inputs, never drafter parameters.
 At inference both drafters keep the layer's keys and values of the verified context in a cache and
 ingest each round's verified path (``ingest_path``): at the smallest path tier that holds the round's
 counts, keys written before the cache is read, through the C++ attention kernel where the drafter's
-matrices are packed for the CPU kernels (docs/benchmarks.md, "A cheaper drafter round").
+matrices are packed for the CPU kernels (experiments/notes/benchmarks-log.md, "A cheaper drafter round").
 """
 
 from __future__ import annotations

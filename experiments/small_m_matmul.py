@@ -12,7 +12,7 @@ It prints absolute milliseconds and both ratios: each engine's T-token time over
 time (the growth the round-cost issue quoted) and over XLA's one-token time (what a speculative round
 actually pays against `ar`). Only the second decides whether routing small-M matmuls to BLAS would pay:
 
-    python benchmarks/small_m_matmul.py [--sizes 1,2,4,8,16] [--repeats 15]
+    python experiments/small_m_matmul.py [--sizes 1,2,4,8,16] [--repeats 15]
 """
 
 from __future__ import annotations

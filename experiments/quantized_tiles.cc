@@ -7,7 +7,7 @@
 //      lane, AVX512-VNNI (4 k per instruction), scale and offset once per block;
 //   D: C on A's layout, one byte permute per four k rows (what `--cpu-matmul int8x` runs).
 // Prints the max error of A-C against a float64 product, max |D - C| (0), and the median time per M.
-//   g++ -O3 -march=native -ffp-contract=fast -o /tmp/quantized_tiles benchmarks/quantized_tiles.cc
+//   g++ -O3 -march=native -ffp-contract=fast -o /tmp/quantized_tiles experiments/quantized_tiles.cc
 //   /tmp/quantized_tiles 576 1536; /tmp/quantized_tiles 1536 576
 // Needs AVX512-BF16, AVX512-VNNI and AVX512-VBMI.
 #include <immintrin.h>

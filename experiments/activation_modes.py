@@ -1,6 +1,6 @@
 """What the opt-in activation modes of the CPU kernel (``--cpu-matmul bf16x`` / ``int8x`` / ``int16x``) do to the model.
 
-    python benchmarks/activation_modes.py --limit 2 --max-new-tokens 256 --modes auto,bf16x,int8x
+    python experiments/activation_modes.py --limit 2 --max-new-tokens 256 --modes auto,bf16x,int8x
 
 The first mode (``auto``: float32 products) is the reference. Its greedy answers to the dev-set questions
 (as ``feature_drafters.py`` picks them) are fed to every mode's model in one teacher-forced pass per
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # round_cost / feature_drafters
 
 
 def teacher_forced_logprobs(model: Any, seq: list[int]) -> Any:

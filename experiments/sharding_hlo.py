@@ -1,7 +1,7 @@
 """Collectives in the compiled decode step of a sharded target: what one speculative round communicates.
 
-    python benchmarks/sharding_hlo.py                                    # tiny-8kv and smollm2-135m, ar and pld
-    python benchmarks/sharding_hlo.py --config smollm2-135m --method pld --mesh data=1,model=8 --batch 4
+    python experiments/sharding_hlo.py                                    # tiny-8kv and smollm2-135m, ar and pld
+    python experiments/sharding_hlo.py --config smollm2-135m --method pld --mesh data=1,model=8 --batch 4
 
 Lowers and compiles ``hsdjax.engine.decode`` (and ``prefill``) for a model's *shapes* on a CPU mesh of
 forced host devices (``--xla_force_host_platform_device_count``; no weights are materialised), reads

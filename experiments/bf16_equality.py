@@ -7,7 +7,7 @@ diverge. This script measures how often that happens on tiny random models of bo
 random prompts it decodes greedily with `ar` and with each method in bfloat16 (and, as a control, in
 float32) and prints the share of outputs that differ and the mean position of the first difference.
 
-    python benchmarks/bf16_equality.py [--prompts 64] [--max-new-tokens 48] [--json]
+    python experiments/bf16_equality.py [--prompts 64] [--max-new-tokens 48] [--json]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where a round's time goes: an XLA profile of the jitted decoding loop, summed per kind of op.
 
-    python benchmarks/profile_round.py [--model smollm2-135m] [--nodes 8] [--calls 3]
-    HSDJAX_CPU_MATMUL=int8x python benchmarks/profile_round.py     # another matmul mode
+    python experiments/profile_round.py [--model smollm2-135m] [--nodes 8] [--calls 3]
+    HSDJAX_CPU_MATMUL=int8x python experiments/profile_round.py     # another matmul mode
 
 Builds ``ar`` and a fixed tree of ``--nodes`` nodes with ``round_cost.py``'s machinery (200 cached
 tokens, 1,024 bucket), traces ``--calls`` decode calls of each with ``jax.profiler`` (a perfetto trace
@@ -23,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # round_cost / feature_drafters
 
 
 def op_totals(trace_dir: str) -> tuple[collections.Counter, collections.Counter, list[tuple[str, float]]]:

@@ -8,7 +8,7 @@ and times them interleaved (each repeat calls every program once, the order rota
 variants see the same machine state. Prints ms per round (median) and the ratio per program, and
 checks that both variants emitted the same tokens.
 
-    python benchmarks/model_variants.py --compare screened --model smollm2-135m [--sizes 2,4,8,16] [--methods pld,hsd]
+    python experiments/model_variants.py --compare screened --model smollm2-135m [--sizes 2,4,8,16] [--methods pld,hsd]
         [--repeats 7]
 """
 
@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # round_cost / feature_drafters
 
 
 def tokens_per_round(p) -> float:

@@ -1,6 +1,6 @@
 """Scanned vs unrolled layers on this device: decode speed and compile time of plain decoding.
 
-    python benchmarks/layer_loop.py --model qwen2.5-coder-1.5b --tokens 24 --repeats 2
+    python experiments/layer_loop.py --model qwen2.5-coder-1.5b --tokens 24 --repeats 2
 
 Runs the two layouts one after the other in this process (same prompt, greedy) and prints the best
 decode tokens/s of each and their ratio, with the check that both produce the same tokens.
