@@ -12,96 +12,305 @@
 // chunks shared between the calling thread and XLA's intra-op pool (flash-decoding: each chunk keeps its
 // own max, sum and accumulator, merged at the end in chunk order, so the result does not depend on
 // which thread ran what). XLA's while loop over cache blocks spent ~100 us per block on this CPU.
+//
+// Vectors are the instruction set's own (`vf`, kLanes floats, cpu_simd.h: 16 with AVX-512, 8 with AVX2,
+// 4 with NEON or generic), but the arithmetic is defined on *logical 16-lane groups*, whatever kLanes
+// is, so every instruction set computes the same bits: a dot product over d accumulates logical lane
+// l (l = 0..15) over elements l, l + 16, l + 32, ... in order with fused multiply-adds (kG = 16 / kLanes
+// native vectors per group), then sums the 16 lanes by one tree of halves (lane l + lane l + 8, then
+// l + l + 4, l + l + 2, l + l + 1): the levels wider than a native vector are vertical adds of the
+// group's vectors (Fold), the rest in-vector shuffles. Elementwise steps (exp, the weighted sum of
+// values per value dimension) do the same operations per element. Register blocking (rows x keys of
+// the score tiles, rows x columns of the value tiles) is sized from kLanes and kRegisters, so nothing
+// spills with AVX2's 16 registers while AVX-512 keeps 16+ accumulators.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
-#include <immintrin.h>
-
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16x32 __attribute__((vector_size(64)));
+using hsdjax_simd::kLanes;
+using hsdjax_simd::kRegisters;
+using hsdjax_simd::Load;
+using hsdjax_simd::Splat;
+using hsdjax_simd::Store;
+using hsdjax_simd::vf;
+
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+constexpr int kG = 16 / kLanes;  // native vectors per logical 16-lane group
 constexpr int64_t kChunk = 256;
 constexpr float kNegInf = -1e30f;
 
-// exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the
-// exponent bits (relative error ~2e-7; inputs below -87 give 0).
-inline v16 Exp(v16 x) {
-  const auto underflow = x < -87.0f;
-  x = underflow ? v16{} - 87.0f : x;
-  x = x > 88.0f ? v16{} + 88.0f : x;
-  v16 t = x * 1.44269504088896341f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(t + (t < 0.0f ? v16{} - 0.5f : v16{} + 0.5f), i16x32), v16);
-  v16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  i16x32 bits = (__builtin_convertvector(n, i16x32) + 127) << 23;
-  v16 scale;
-  __builtin_memcpy(&scale, &bits, 64);
-  return underflow ? v16{} : p * scale;
-}
+inline vf LoadAs(const float* p) { return Load(p); }
+inline vf LoadAs(const hsdjax_simd::half* p) { return hsdjax_simd::HalfToFloat(p); }  // exact
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-// Sum of 16 lanes as a tree of halves (a chain of 16 scalar adds was the kernel's bottleneck).
-inline float HSum(v16 s) {
-  v8 a = __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-typedef _Float16 h16 __attribute__((vector_size(32)));
-
-inline v16 Load(const float* p) {
-  v16 x;
-  __builtin_memcpy(&x, p, 64);
-  return x;
-}
-
-// 16 halves widened to float32 (exact). GCC's generic vector conversion widens lane by lane, so the
-// instructions are asked for by name where the CPU has them.
-inline v16 Load(const _Float16* p) {
+// a * b + c rounded once, asked for by name: -ffp-contract=fast alone leaves the choice to the compiler,
+// and GCC's Zen tuning (avoid-fma-chains) keeps some accumulation chains as a multiply and an add,
+// which made the bits depend on the build's -march. Without FMA (kFused false) it rounds twice.
+inline vf Fma(vf a, vf b, vf c) {
 #if defined(__AVX512F__)
-  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  v16 x;
-  __builtin_memcpy(&x, &lo, 32);
-  __builtin_memcpy(reinterpret_cast<char*>(&x) + 32, &hi, 32);
-  return x;
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__)
+  return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#elif defined(__FMA__)
+  return (vf)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
 #else
-  h16 x;
-  __builtin_memcpy(&x, p, 32);
-  return __builtin_convertvector(x, v16);
+  return a * b + c;
 #endif
 }
 
-inline void Store(float* p, v16 x) { __builtin_memcpy(p, &x, 64); }
+inline float Fma(float a, float b, float c) {
+  if constexpr (hsdjax_simd::kFused) return __builtin_fmaf(a, b, c);
+  else return a * b + c;
+}
+
+// exp(x) per lane: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the exponent
+// bits (relative error ~2e-7; inputs below -87 give 0).
+inline vf Exp(vf x) {
+  const auto underflow = x < -87.0f;
+  x = underflow ? vf{} - 87.0f : x;
+  x = x > 88.0f ? vf{} + 88.0f : x;
+  vf t = x * 1.44269504088896341f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t + (t < 0.0f ? vf{} - 0.5f : vf{} + 0.5f), vi), vf);
+  vf r = Fma(-n, Splat(0.693359375f), x);
+  r = Fma(-n, Splat(-2.12194440e-4f), r);
+  vf p = vf{} + 1.9875691500e-4f;
+  p = Fma(p, r, Splat(1.3981999507e-3f));
+  p = Fma(p, r, Splat(8.3334519073e-3f));
+  p = Fma(p, r, Splat(4.1665795894e-2f));
+  p = Fma(p, r, Splat(1.6666665459e-1f));
+  p = Fma(p, r, Splat(5.0000001201e-1f));
+  p = Fma(p * r, r, r) + 1.0f;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof(vf));
+  return underflow ? vf{} : p * scale;
+}
+
+// A logical 16-lane group (kG native vectors) -> one native vector: the levels of the tree of halves
+// wider than a native vector (lane l + lane l + 8, and l + l + 4 with 4 lanes), as vertical adds.
+inline vf Fold(const vf* s) {
+  if constexpr (kG == 1) return s[0];
+  else if constexpr (kG == 2) return s[0] + s[1];
+  else return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// The rest of the tree on one native vector: lane l + lane l + kLanes / 2, ..., lane 0 + lane 1.
+inline float HSumNative(vf x) {
+  float a[kLanes];
+  __builtin_memcpy(a, &x, sizeof(vf));
+  for (int h = kLanes / 2; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) a[l] = a[l] + a[l + h];
+  return a[0];
+}
+
+// Sum of a logical 16-lane group as a tree of halves (a chain of 16 scalar adds was the bottleneck).
+inline float HSum16(const vf* s) { return HSumNative(Fold(s)); }
+
+// One level of the transposed tree: a and b each hold kLanes / (2H) segments of 2H lanes (one key per
+// segment); the result holds their 2 * kLanes / (2H) segments of H lanes, lane l + lane l + H of each.
+constexpr int Src(int i, int h, bool hi) {
+  return (i >= kLanes / 2 ? kLanes : 0) + (i % (kLanes / 2)) / h * 2 * h + i % (kLanes / 2) % h + (hi ? h : 0);
+}
+
+template <int H, size_t... I>
+inline vf Level(vf a, vf b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, Src(I, H, false)...) + __builtin_shufflevector(a, b, Src(I, H, true)...);
+}
+
+// kLanes folded accumulators (one per key) -> s[0] with lane j = the in-vector tree sum of s[j] (the
+// same tree as HSumNative, several keys side by side: fewer shuffles than one sum per key).
+template <int H = kLanes / 2>
+inline void ReduceKeys(vf* s) {
+  if constexpr (H >= 1) {
+    for (int i = 0; i < H; ++i) s[i] = Level<H>(s[2 * i], s[2 * i + 1], std::make_index_sequence<kLanes>());
+    ReduceKeys<H / 2>(s);
+  }
+}
 
 template <typename T>
 inline float Dot(const float* a, const T* b, int64_t d) {
-  v16 s{};
+  vf s[kG] = {};
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) s += Load(a + i) * Load(b + i);
-  float out = HSum(s);
-  for (; i < d; ++i) out += a[i] * static_cast<float>(b[i]);
+  for (; i + 16 <= d; i += 16)
+    for (int g = 0; g < kG; ++g) s[g] = Fma(Load(a + i + g * kLanes), LoadAs(b + i + g * kLanes), s[g]);
+  float out = HSum16(s);
+  for (; i < d; ++i) out = Fma(a[i], static_cast<float>(b[i]), out);
   return out;
+}
+
+// Keys (or values) by index: rows of a contiguous array, or a list of pointers (a token's path).
+template <typename T>
+struct Rows {
+  const T* base;
+  int64_t stride;
+  const T* operator()(int64_t j) const { return base + j * stride; }
+};
+struct RowList {
+  const float* const* p;
+  const float* operator()(int64_t j) const { return p[j]; }
+};
+
+// Score tiles: kRB query rows x kJB keys, each pair a logical 16-lane accumulator (kG vectors), the
+// keys (or rows, whichever are fewer) held in registers while the others stream.
+constexpr int kRB = 3;
+constexpr int TileKeys() {
+  int jb = kLanes;
+  while (jb > 1 && kRB * jb * kG + std::min(kRB, jb) + 1 > kRegisters) jb /= 2;
+  return jb;
+}
+constexpr int kJB = TileKeys();  // AVX-512 8 (24 accumulators), AVX2 2 (12), NEON 2 (24), generic 1 (12)
+
+template <int D, int RB, int JB, typename T>
+inline void ScoreTile(const float* const* q, const T* const* k, vf (*part)[kLanes], int jj) {
+  vf acc[RB][JB][kG] = {};
+  for (int e = 0; e < D; e += 16) {
+    for (int g = 0; g < kG; ++g) {
+      const int o = e + g * kLanes;
+      if constexpr (JB <= RB) {
+        vf kv[JB];
+        for (int j = 0; j < JB; ++j) kv[j] = LoadAs(k[j] + o);
+        for (int r = 0; r < RB; ++r) {
+          const vf qv = Load(q[r] + o);
+          for (int j = 0; j < JB; ++j) acc[r][j][g] = Fma(qv, kv[j], acc[r][j][g]);
+        }
+      } else {
+        vf qv[RB];
+        for (int r = 0; r < RB; ++r) qv[r] = Load(q[r] + o);
+        for (int j = 0; j < JB; ++j) {
+          const vf kv = LoadAs(k[j] + o);
+          for (int r = 0; r < RB; ++r) acc[r][j][g] = Fma(qv[r], kv, acc[r][j][g]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < JB; ++j) part[r][jj + j] = Fold(acc[r][j]);
+}
+
+// Scores of RB query rows against n keys, kLanes keys per output vector (written whole: out rows need
+// room up to n rounded up to kLanes). Every score is the same chain whatever the other rows and keys
+// are: a T-node pass and a one-token step give bitwise-equal scores.
+template <int D, int RB, typename T, typename Keys>
+void ScoresBlock(const float* const* q, float* const* out, Keys keys, int64_t n) {
+  vf part[RB][kLanes];
+  const T* kp[kJB];
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - j0));
+    int jj = 0;
+    for (; jj + kJB <= m; jj += kJB) {
+      for (int j = 0; j < kJB; ++j) kp[j] = keys(j0 + jj + j);
+      ScoreTile<D, RB, kJB, T>(q, kp, part, jj);
+    }
+    for (; jj < m; ++jj) {
+      kp[0] = keys(j0 + jj);
+      ScoreTile<D, RB, 1, T>(q, kp, part, jj);
+    }
+    for (; jj < kLanes; ++jj)
+      for (int r = 0; r < RB; ++r) part[r][jj] = vf{};
+    for (int r = 0; r < RB; ++r) {
+      ReduceKeys(part[r]);
+      Store(out[r] + j0, part[r][0]);
+    }
+  }
+}
+
+template <int D, typename T, typename Keys>
+void Scores(const float* const* q, float* const* out, int64_t rows, Keys keys, int64_t n) {
+  int64_t r = 0;
+  for (; r + kRB <= rows; r += kRB) ScoresBlock<D, kRB, T>(q + r, out + r, keys, n);
+  if (rows - r == 2) ScoresBlock<D, 2, T>(q + r, out + r, keys, n);
+  else if (rows - r == 1) ScoresBlock<D, 1, T>(q + r, out + r, keys, n);
+}
+
+// Value tiles: kRG rows x kDC vectors of the value dimension in registers (plus the kDC values of the
+// key and one broadcast weight). AVX-512 keeps 4 x 4 (d = 64) and 2 x 8 (d = 128); AVX2 2 x 4.
+template <int D>
+constexpr int ValueCols() { return std::min(D / kLanes, kRegisters / 4); }
+template <int D>
+constexpr int ValueRows() { return std::max(1, std::min(4, (kRegisters - 1 - ValueCols<D>()) / ValueCols<D>())); }
+
+// acc[r][c0 ..] (+)= sum_j w[r][j] * vals(j)[c0 ..] for RG rows: per element the chain over j of
+// fused multiply-adds from 0 (or onto what acc holds: continuing the chain of an earlier call).
+template <int DC, int RG, typename T, typename Vals>
+inline void ValuesTile(const float* const* w, Vals vals, int64_t n, int64_t c0, float* const* acc, bool onto) {
+  vf a[RG][DC];
+  for (int r = 0; r < RG; ++r)
+    for (int c = 0; c < DC; ++c) a[r][c] = onto ? Load(acc[r] + c0 + c * kLanes) : vf{};
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = vals(j) + c0;
+    vf vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = LoadAs(vj + c * kLanes);
+    for (int r = 0; r < RG; ++r) {
+      const vf wr = Splat(w[r][j]);
+      for (int c = 0; c < DC; ++c) a[r][c] = Fma(wr, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int c = 0; c < DC; ++c) Store(acc[r] + c0 + c * kLanes, a[r][c]);
+}
+
+template <int D, typename T, typename Vals>
+void Values(const float* const* w, float* const* acc, int64_t rows, Vals vals, int64_t n, bool onto) {
+  constexpr int DC = ValueCols<D>(), RG = ValueRows<D>();
+  int64_t r = 0;
+  for (; r + RG <= rows; r += RG)
+    for (int c0 = 0; c0 < D; c0 += DC * kLanes) ValuesTile<DC, RG, T>(w + r, vals, n, c0, acc + r, onto);
+  for (; r < rows; ++r)
+    for (int c0 = 0; c0 < D; c0 += DC * kLanes) ValuesTile<DC, 1, T>(w + r, vals, n, c0, acc + r, onto);
+}
+
+// The max of p[0 .. n) as the chain `mx = std::max(mx, p[j])` from kNegInf computes it: lane-wise then
+// across lanes (the same value: a nonzero maximum has one bit pattern), the chain itself when the
+// maximum is zero (whose sign would depend on the order).
+inline float RowMax(const float* p, int64_t n) {
+  vf mv = vf{} + kNegInf;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf x = Load(p + j);
+    mv = mv < x ? x : mv;
+  }
+  float lanes[kLanes];
+  __builtin_memcpy(lanes, &mv, sizeof(vf));
+  float mx = kNegInf;
+  for (int l = 0; l < kLanes; ++l) mx = std::max(mx, lanes[l]);
+  for (; j < n; ++j) mx = std::max(mx, p[j]);
+  if (mx == 0.0f) {
+    mx = kNegInf;
+    for (j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+  }
+  return mx;
+}
+
+// Softmax numerators of each row in place (scores -> exp(score - max)), their max and sum (a logical
+// 16-lane sum over the row, summed by the tree of halves).
+void ExpRows(float* scores, int64_t n_pad, int64_t n, int64_t rows, float* m_out, float* l_out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* p = scores + r * n_pad;
+    const float mx = RowMax(p, n);
+    for (int64_t j = n; j < n_pad; ++j) p[j] = kNegInf;
+    vf sum[kG] = {};
+    for (int64_t j = 0; j < n; j += 16) {
+      for (int g = 0; g < kG; ++g) {
+        vf x = Exp(Load(p + j + g * kLanes) - mx);
+        Store(p + j + g * kLanes, x);
+        sum[g] += x;
+      }
+    }
+    m_out[r] = mx;
+    l_out[r] = HSum16(sum);
+  }
 }
 
 struct Item {
@@ -121,92 +330,23 @@ struct Problem {
   int64_t part_size;
 };
 
-// 16 dot-product accumulators -> one vector of their 16 sums (lane j = sum of s[j]), by halving: each
-// level adds the two halves of a pair of vectors side by side (45 shuffles and adds instead of 16
-// horizontal sums).
-inline v16 Reduce16(v16* s) {
-  v16 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i) {
-    t[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(s[2 * i], s[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {
-    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// Scores of one query row against n keys, 16 keys per step with the row in registers (DV = d / 16
-// vectors). Every score is the same chain whatever the other rows are: a T-node pass and a one-token
-// step give bitwise-equal scores.
-template <int DV, typename T>
-void ScoresRow(const float* q, const T* k, int64_t n, float* out) {
-  v16 qv[DV];
-  for (int e = 0; e < DV; ++e) qv[e] = Load(q + 16 * e);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - j0);
-    v16 s[16];
-    for (int j = 0; j < 16; ++j) {
-      v16 acc{};
-      if (j < m) {
-        const T* kj = k + (j0 + j) * DV * 16;
-        for (int e = 0; e < DV; ++e) acc += qv[e] * Load(kj + 16 * e);
-      }
-      s[j] = acc;
-    }
-    Store(out + j0, Reduce16(s));
-  }
-}
-
-// acc[r] = sum_j w[r, j] * v[j] for RG rows at once, accumulators in registers.
-template <int DV, int RG, typename T>
-void WeightedValues(const float* w, int64_t w_stride, const T* v, int64_t n, float* acc) {
-  v16 a[RG][DV] = {};
-  for (int64_t j = 0; j < n; ++j) {
-    v16 vj[DV];
-    for (int e = 0; e < DV; ++e) vj[e] = Load(v + j * DV * 16 + 16 * e);
-    for (int r = 0; r < RG; ++r) {
-      const float wr = w[r * w_stride + j];
-      for (int e = 0; e < DV; ++e) a[r][e] += wr * vj[e];
-    }
-  }
-  for (int r = 0; r < RG; ++r)
-    for (int e = 0; e < DV; ++e) Store(acc + r * DV * 16 + 16 * e, a[r][e]);
-}
-
-template <int DV, typename T>
-void WeightedValuesRows(const float* w, int64_t w_stride, const T* v, int64_t n, int64_t rows, float* acc) {
-  constexpr int RG = DV <= 4 ? 4 : 2;  // RG x DV accumulators stay within the 32 vector registers
-  int64_t r = 0;
-  for (; r + RG <= rows; r += RG) WeightedValues<DV, RG, T>(w + r * w_stride, w_stride, v, n, acc + r * DV * 16);
-  for (; r < rows; ++r) WeightedValues<DV, 1, T>(w + r * w_stride, w_stride, v, n, acc + r * DV * 16);
-}
-
-// Softmax numerators of each row in place (scores -> exp(score - max)), their max and sum.
-void ExpRows(float* scores, int64_t n_pad, int64_t n, int64_t rows, float* m_out, float* l_out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* p = scores + r * n_pad;
-    float mx = kNegInf;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
-    for (int64_t j = n; j < n_pad; ++j) p[j] = kNegInf;
-    v16 sum{};
-    for (int64_t j = 0; j < n; j += 16) {
-      v16 x = Exp(Load(p + j) - mx);
-      Store(p + j, x);
-      sum += x;
-    }
-    m_out[r] = mx;
-    l_out[r] = HSum(sum);
-  }
-}
-
 // One chunk of one kv head: scores, their max, exp, sums and the weighted sum of values.
+template <int D, typename T>
+void RunItemBlocked(const Problem<T>& pb, const float* q, const T* k, const T* v, int64_t n, int64_t n_pad,
+                    float* scores, float* m_out, float* l_out, float* acc) {
+  const int64_t r_n = pb.r;
+  std::vector<const float*> rows(r_n);
+  std::vector<float*> outs(r_n), accs(r_n);
+  for (int64_t r = 0; r < r_n; ++r) {
+    rows[r] = q + r * D;
+    outs[r] = scores + r * n_pad;
+    accs[r] = acc + r * D;
+  }
+  Scores<D, T>(rows.data(), outs.data(), r_n, Rows<T>{k, D}, n);
+  ExpRows(scores, n_pad, n, r_n, m_out, l_out);
+  Values<D, T>(outs.data(), accs.data(), r_n, Rows<T>{v, D}, n, false);
+}
+
 template <typename T>
 void RunItem(const Problem<T>& pb, int64_t i) {
   const Item& it = pb.items[i];
@@ -219,16 +359,8 @@ void RunItem(const Problem<T>& pb, int64_t i) {
   float* acc = l_out + r_n;
   const int64_t n_pad = (n + 15) / 16 * 16;
   std::unique_ptr<float[]> scores(new float[r_n * n_pad]);  // [R, n_pad]
-  if (d == 64 || d == 128) {  // register-blocked paths (SmolLM2, Qwen2.5)
-    for (int64_t r = 0; r < r_n; ++r) {
-      if (d == 64) ScoresRow<4>(q + r * d, k, n, scores.get() + r * n_pad);
-      else ScoresRow<8>(q + r * d, k, n, scores.get() + r * n_pad);
-    }
-    ExpRows(scores.get(), n_pad, n, r_n, m_out, l_out);
-    if (d == 64) WeightedValuesRows<4>(scores.get(), n_pad, v, n, r_n, acc);
-    else WeightedValuesRows<8>(scores.get(), n_pad, v, n, r_n, acc);
-    return;
-  }
+  if (d == 64) return RunItemBlocked<64>(pb, q, k, v, n, n_pad, scores.get(), m_out, l_out, acc);  // SmolLM2
+  if (d == 128) return RunItemBlocked<128>(pb, q, k, v, n, n_pad, scores.get(), m_out, l_out, acc);  // Qwen2.5
   for (int64_t j = 0; j < n; ++j) {  // any head size: keys outer, each key read once for every row
     const T* kj = k + j * d;
     for (int64_t r = 0; r < r_n; ++r) scores[r * n_pad + j] = Dot(q + r * d, kj, d);
@@ -240,7 +372,7 @@ void RunItem(const Problem<T>& pb, int64_t i) {
     for (int64_t r = 0; r < r_n; ++r) {
       const float w = scores[r * n_pad + j];
       float* a = acc + r * d;
-      for (int64_t e = 0; e < d; ++e) a[e] += w * static_cast<float>(vj[e]);
+      for (int64_t e = 0; e < d; ++e) a[e] = Fma(w, static_cast<float>(vj[e]), a[e]);
     }
   }
 }
@@ -262,37 +394,31 @@ struct PoolCall {
   }
 };
 
-template <typename C>
-void RunOnPool(ffi::ThreadPool& pool, const std::shared_ptr<C>& call) {
+// Pool: XLA's ffi::ThreadPool, or anything with num_threads() and Schedule(task) (the self-test's serial one).
+template <typename Pool, typename C>
+void RunOnPool(Pool& pool, const std::shared_ptr<C>& call) {
   const int64_t n_items = static_cast<int64_t>(call->pb.items.size());
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([call] { call->Run(); });
   call->Run();
-  while (call->done.load(std::memory_order_acquire) < n_items) __builtin_ia32_pause();
+  while (call->done.load(std::memory_order_acquire) < n_items) hsdjax_simd::CpuRelax();
 }
 
-template <typename T, ffi::DataType DT>
-ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
-                          ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
-                          ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
-  auto qd = q.dimensions();
-  auto kd = cache_k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] ||
-      lens.element_count() != qd[0]) {
-    return ffi::Error::InvalidArgument("hsdjax cache attention: expects q [B, K, R, D], cache [B, K, S, D], lens [B]");
-  }
-  const int64_t b_n = qd[0], kh = qd[1], r_n = qd[2], d = qd[3], s = kd[2];
+template <typename T, typename Pool>
+void CacheAttentionCore(Pool& pool, const float* q, const T* cache_k, const T* cache_v, const int32_t* lens,
+                        int64_t b_n, int64_t kh, int64_t r_n, int64_t d, int64_t s, float* m_out, float* l_out,
+                        float* acc_out) {
   auto call = std::make_shared<PoolCall<Problem<T>, RunItem<T>>>();
   Problem<T>& pb = call->pb;
-  pb.q = q.typed_data();
-  pb.k = reinterpret_cast<const T*>(cache_k.typed_data());
-  pb.v = reinterpret_cast<const T*>(cache_v.typed_data());
+  pb.q = q;
+  pb.k = cache_k;
+  pb.v = cache_v;
   pb.r = r_n;
   pb.s = s;
   pb.d = d;
   std::vector<int64_t> first(b_n * kh + 1, 0);  // items of head h: [first[h], first[h + 1])
   for (int64_t b = 0; b < b_n; ++b) {
-    const int64_t len = std::clamp<int64_t>(lens.typed_data()[b], 0, s);
+    const int64_t len = std::clamp<int64_t>(lens[b], 0, s);
     for (int64_t k = 0; k < kh; ++k) {
       for (int64_t start = 0; start < len; start += kChunk) {
         pb.items.push_back(Item{b * kh + k, start, std::min(kChunk, len - start)});
@@ -311,19 +437,34 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       float mx = kNegInf;
       for (int64_t i = first[h]; i < first[h + 1]; ++i) mx = std::max(mx, part[i * pb.part_size + r]);
       float sum = 0.0f;
-      float* a = acc->typed_data() + (h * r_n + r) * d;
+      float* a = acc_out + (h * r_n + r) * d;
       std::fill(a, a + d, 0.0f);
       for (int64_t i = first[h]; i < first[h + 1]; ++i) {
         const float* pi = part.data() + i * pb.part_size;
         const float alpha = std::exp(pi[r] - mx);
-        sum += alpha * pi[r_n + r];
+        sum = Fma(alpha, pi[r_n + r], sum);
         const float* ai = pi + 2 * r_n + r * d;
-        for (int64_t e = 0; e < d; ++e) a[e] += alpha * ai[e];
+        for (int64_t e = 0; e < d; ++e) a[e] = Fma(alpha, ai[e], a[e]);
       }
-      m->typed_data()[h * r_n + r] = mx;
-      l->typed_data()[h * r_n + r] = sum;
+      m_out[h * r_n + r] = mx;
+      l_out[h * r_n + r] = sum;
     }
   }
+}
+
+template <typename T, ffi::DataType DT>
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
+                          ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> m,
+                          ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
+  auto qd = q.dimensions();
+  auto kd = cache_k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] || qd[3] != kd[3] ||
+      static_cast<int64_t>(lens.element_count()) != qd[0]) {
+    return ffi::Error::InvalidArgument("hsdjax cache attention: expects q [B, K, R, D], cache [B, K, S, D], lens [B]");
+  }
+  CacheAttentionCore<T>(pool, q.typed_data(), reinterpret_cast<const T*>(cache_k.typed_data()),
+                        reinterpret_cast<const T*>(cache_v.typed_data()), lens.typed_data(), qd[0], qd[1], qd[2],
+                        qd[3], kd[2], m->typed_data(), l->typed_data(), acc->typed_data());
   return ffi::Error::Success();
 }
 
@@ -374,68 +515,37 @@ struct TreeProblem {
   }
 };
 
-template <int DV>
-void TreeScoresRow(const float* q, const float* const* keys, int64_t n, float* out) {
-  v16 qv[DV];
-  for (int e = 0; e < DV; ++e) qv[e] = Load(q + 16 * e);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - j0);
-    v16 s[16];
-    for (int j = 0; j < 16; ++j) {
-      v16 acc{};
-      if (j < m) {
-        const float* kj = keys[j0 + j];
-        for (int e = 0; e < DV; ++e) acc += qv[e] * Load(kj + 16 * e);
-      }
-      s[j] = acc;
-    }
-    Store(out + j0, Reduce16(s));
-  }
-}
-
-// acc += sum_j w[j] * vals[j], continuing the chain over j that WeightedValues began (same operations).
-template <int DV>
-void TreeValuesRowOnto(const float* w, const float* const* vals, int64_t n, float* acc) {
-  v16 a[DV];
-  for (int e = 0; e < DV; ++e) a[e] = Load(acc + 16 * e);
-  for (int64_t j = 0; j < n; ++j) {
-    const float wj = w[j];
-    for (int e = 0; e < DV; ++e) a[e] += wj * Load(vals[j] + 16 * e);
-  }
-  for (int e = 0; e < DV; ++e) Store(acc + 16 * e, a[e]);
-}
-
 void TreeRowGeneric(const float* q, const float* const* keys, const float* const* vals, int64_t n, int64_t n_pad,
                     int64_t d, float* scores, float* m_out, float* l_out, float* acc) {
   for (int64_t j = 0; j < n; ++j) scores[j] = Dot(q, keys[j], d);
   ExpRows(scores, n_pad, n, 1, m_out, l_out);
   std::fill(acc, acc + d, 0.0f);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t e = 0; e < d; ++e) acc[e] += scores[j] * vals[j][e];
+    for (int64_t e = 0; e < d; ++e) acc[e] = Fma(scores[j], vals[j][e], acc[e]);
 }
 
 // Keys (or values) of cache positions start .. start + n as float32 rows: the cache itself when it is
 // float32, else widened into `scratch` (exact).
 inline const float* CacheRows(const float* c, int64_t start, int64_t, int64_t d, float*) { return c + start * d; }
-inline const float* CacheRows(const _Float16* c, int64_t start, int64_t n, int64_t d, float* scratch) {
-  const _Float16* src = c + start * d;
+inline const float* CacheRows(const hsdjax_simd::half* c, int64_t start, int64_t n, int64_t d, float* scratch) {
+  const hsdjax_simd::half* src = c + start * d;
   int64_t i = 0;
-  for (; i + 16 <= n * d; i += 16) Store(scratch + i, Load(src + i));
+  for (; i + kLanes <= n * d; i += kLanes) Store(scratch + i, LoadAs(src + i));
   for (; i < n * d; ++i) scratch[i] = static_cast<float>(src[i]);
   return scratch;
 }
 
 // One chunk of one kv head, head sizes 64 / 128 (register-blocked). Every row (query head x new token)
 // sees the chunk's cached positions: their scores, and later their weighted values, are computed for
-// all rows together (each key and value read once per call); each token then adds its own path's
-// positions (keys and values from the pass) to its rows. Per row the operations are those of a
+// all rows together (each key and value read once per tile of rows); each token then adds its own
+// path's positions (keys and values from the pass) to its rows. Per row the operations are those of a
 // one-token step whatever the other rows are (scores are independent dot products; the softmax and the
 // chain over positions run in position order), so a tree pass equals one-token steps bit for bit.
-template <int DV, typename T>
+template <int D, typename T>
 void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
   constexpr int64_t kStride = kChunk + 16;  // a row's scores: the chunk, and room for a 16-wide store
   const auto& it = pb.items[i];
-  const int64_t b = it.head / pb.kh, kv = it.head % pb.kh, t_n = pb.t, r_n = pb.g * t_n, d = pb.d;
+  const int64_t b = it.head / pb.kh, kv = it.head % pb.kh, t_n = pb.t, r_n = pb.g * t_n, d = D;
   const int64_t len = pb.lens[b], t0 = it.t0, t1 = it.t1, rows = t1 - t0;
   const T* ck = pb.k + it.head * pb.s * d;
   const T* cv = pb.v + it.head * pb.s * d;
@@ -446,10 +556,20 @@ void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
   // scores of this item's rows, query head g's tokens [t0, t1) at w + (g * rows + t - t0) * kStride
   std::unique_ptr<float[]> w(new float[pb.g * rows * kStride + 16]);
   auto row_of = [&](int64_t g, int64_t t) { return w.get() + (g * rows + t - t0) * kStride; };
-  for (int64_t g = 0; g < pb.g && cached > 0; ++g)
-    for (int64_t t = t0; t < t1; ++t) ScoresRow<DV>(pb.QueryRow(b, kv, g * t_n + t), ck + it.start * d, cached, row_of(g, t));
+  std::vector<const float*> qs(pb.g * rows);  // the item's rows, (g, t) at g * rows + t - t0
+  std::vector<float*> ws(pb.g * rows), accs(pb.g * rows);
+  for (int64_t g = 0; g < pb.g; ++g) {
+    for (int64_t t = t0; t < t1; ++t) {
+      qs[g * rows + t - t0] = pb.QueryRow(b, kv, g * t_n + t);
+      ws[g * rows + t - t0] = row_of(g, t);
+      accs[g * rows + t - t0] = acc_out + (g * t_n + t) * d;
+    }
+  }
+  if (cached > 0) Scores<D, T>(qs.data(), ws.data(), pb.g * rows, Rows<T>{ck + it.start * d, d}, cached);
   const float* keys[kChunk];
   const float* vals[kChunk];
+  std::vector<const float*> tq(pb.g);  // one token's rows
+  std::vector<float*> tw(pb.g), tacc(pb.g);
   std::vector<int64_t> seen(t_n);  // positions of the chunk each token sees
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t dep = pb.depth[b * t_n + t];
@@ -461,30 +581,35 @@ void RunTreeChunk(const TreeProblem<T>& pb, int64_t i) {
       keys[j] = pb.NewRow(pb.nk, b, kv, u);
     }
     seen[t] = n;
+    if (own > 0) {  // after the cached scores (the stores end before cached + own + 16 <= kStride)
+      for (int64_t g = 0; g < pb.g; ++g) {
+        tq[g] = qs[g * rows + t - t0];
+        tw[g] = ws[g * rows + t - t0] + cached;
+      }
+      Scores<D, float>(tq.data(), tw.data(), pb.g, RowList{keys}, own);
+    }
     for (int64_t g = 0; g < pb.g; ++g) {
       const int64_t r = g * t_n + t;
-      float* row = row_of(g, t);
-      // after the cached scores (its 16-wide stores end before cached + own + 16 <= kStride)
-      if (own > 0) TreeScoresRow<DV>(pb.QueryRow(b, kv, r), keys, own, row + cached);
       if (n > 0) {
-        ExpRows(row, (n + 15) / 16 * 16, n, 1, m_out + r, l_out + r);
+        ExpRows(row_of(g, t), (n + 15) / 16 * 16, n, 1, m_out + r, l_out + r);
       } else {
         m_out[r] = kNegInf;
         l_out[r] = 0.0f;
       }
     }
   }
-  for (int64_t g = 0; g < pb.g; ++g)  // zeros when none is cached
-    WeightedValuesRows<DV>(row_of(g, t0), kStride, cv + it.start * d, cached, rows, acc_out + (g * t_n + t0) * d);
+  // zeros when none is cached
+  Values<D, T>(ws.data(), accs.data(), pb.g * rows, Rows<T>{cv + it.start * d, d}, cached, false);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t own = seen[t] - cached;
     if (own <= 0) continue;
     const int32_t* path = pb.anc + (b * t_n + t) * t_n;
     for (int64_t j = 0; j < own; ++j) vals[j] = pb.NewRow(pb.nv, b, kv, path[it.start + cached + j - len]);
     for (int64_t g = 0; g < pb.g; ++g) {
-      const int64_t r = g * t_n + t;
-      TreeValuesRowOnto<DV>(row_of(g, t) + cached, vals, own, acc_out + r * d);
+      tw[g] = ws[g * rows + t - t0] + cached;
+      tacc[g] = accs[g * rows + t - t0];
     }
+    Values<D, float>(tw.data(), tacc.data(), pb.g, RowList{vals}, own, true);  // continues the chains
   }
 }
 
@@ -531,41 +656,27 @@ void RunTreeChunkGeneric(const TreeProblem<T>& pb, int64_t i) {
 
 template <typename T>
 void RunTreeItem(const TreeProblem<T>& pb, int64_t i) {
-  if (pb.d == 64) RunTreeChunk<4>(pb, i);
-  else if (pb.d == 128) RunTreeChunk<8>(pb, i);
+  if (pb.d == 64) RunTreeChunk<64>(pb, i);
+  else if (pb.d == 128) RunTreeChunk<128>(pb, i);
   else RunTreeChunkGeneric(pb, i);
 }
 
 
-template <typename T, ffi::DataType DT>
-ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
-                         ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
-                         ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::S32> anc, ffi::Buffer<ffi::S32> depth,
-                         ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions();
-  auto kd = cache_k.dimensions();
-  auto nd = new_k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || qd[0] != kd[0] || nd[2] != kd[1] || qd[3] != kd[3] ||
-      nd[0] != qd[0] || nd[1] != qd[1] || nd[3] != qd[3] || qd[2] % nd[2] != 0 || lens.element_count() != qd[0] ||
-      anc.element_count() != nd[0] * nd[1] * nd[1] || depth.element_count() != nd[0] * nd[1]) {
-    return ffi::Error::InvalidArgument(
-        "hsdjax tree attention: expects q [B, T, H, D], cache [B, K, S, D], lens [B], new [B, T, K, D], "
-        "anc [B, T, T], depth [B, T]");
-  }
-  const int64_t b_n = qd[0], t_n = qd[1], h_n = qd[2], d = qd[3], kh = kd[1], s = kd[2];
-  if (t_n > kChunk) return ffi::Error::InvalidArgument("hsdjax tree attention: at most 256 new tokens");
-  if (d > 256) return ffi::Error::InvalidArgument("hsdjax tree attention: head size at most 256");
+template <typename T, typename Pool>
+void TreeAttentionCore(Pool& pool, const float* q, const T* cache_k, const T* cache_v, const int32_t* lens,
+                       const float* new_k, const float* new_v, const int32_t* anc, const int32_t* depth, int64_t b_n,
+                       int64_t t_n, int64_t h_n, int64_t d, int64_t kh, int64_t s, float* out) {
   auto call = std::make_shared<PoolCall<TreeProblem<T>, RunTreeItem<T>>>();
   TreeProblem<T>& pb = call->pb;
-  pb.q = q.typed_data();
-  pb.k = reinterpret_cast<const T*>(cache_k.typed_data());
-  pb.v = reinterpret_cast<const T*>(cache_v.typed_data());
-  pb.nk = new_k.typed_data();
-  pb.nv = new_v.typed_data();
-  pb.anc = anc.typed_data();
-  pb.depth = depth.typed_data();
+  pb.q = q;
+  pb.k = cache_k;
+  pb.v = cache_v;
+  pb.nk = new_k;
+  pb.nv = new_v;
+  pb.anc = anc;
+  pb.depth = depth;
   std::vector<int32_t> clamped(b_n);
-  for (int64_t b = 0; b < b_n; ++b) clamped[b] = std::clamp<int32_t>(lens.typed_data()[b], 0, s);
+  for (int64_t b = 0; b < b_n; ++b) clamped[b] = std::clamp<int32_t>(lens[b], 0, s);
   pb.lens = clamped.data();
   pb.kh = kh;
   pb.g = h_n / kh;
@@ -609,14 +720,40 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
         const float* pi = part.data() + i * pb.part_size;
         if (pi[r_n + r] == 0.0f) continue;  // no key of this row in the chunk
         const float alpha = std::exp(pi[r] - mx);
-        sum += alpha * pi[r_n + r];
+        sum = Fma(alpha, pi[r_n + r], sum);
         const float* ai = pi + 2 * r_n + r * d;
-        for (int64_t e = 0; e < d; ++e) a[e] += alpha * ai[e];
+        for (int64_t e = 0; e < d; ++e) a[e] = Fma(alpha, ai[e], a[e]);
       }
-      float* o = out->typed_data() + ((b * t_n + r % t_n) * h_n + kv * pb.g + r / t_n) * d;
+      float* o = out + ((b * t_n + r % t_n) * h_n + kv * pb.g + r / t_n) * d;
       for (int64_t e = 0; e < d; ++e) o[e] = a[e] / sum;
     }
   }
+}
+
+template <typename T, ffi::DataType DT>
+ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
+                         ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
+                         ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::S32> anc, ffi::Buffer<ffi::S32> depth,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto kd = cache_k.dimensions();
+  auto nd = new_k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || qd[0] != kd[0] || nd[2] != kd[1] || qd[3] != kd[3] ||
+      nd[0] != qd[0] || nd[1] != qd[1] || nd[3] != qd[3] || qd[2] % nd[2] != 0 ||
+      static_cast<int64_t>(lens.element_count()) != qd[0] ||
+      static_cast<int64_t>(anc.element_count()) != nd[0] * nd[1] * nd[1] ||
+      static_cast<int64_t>(depth.element_count()) != nd[0] * nd[1]) {
+    return ffi::Error::InvalidArgument(
+        "hsdjax tree attention: expects q [B, T, H, D], cache [B, K, S, D], lens [B], new [B, T, K, D], "
+        "anc [B, T, T], depth [B, T]");
+  }
+  const int64_t t_n = qd[1], d = qd[3];
+  if (t_n > kChunk) return ffi::Error::InvalidArgument("hsdjax tree attention: at most 256 new tokens");
+  if (d > 256) return ffi::Error::InvalidArgument("hsdjax tree attention: head size at most 256");
+  TreeAttentionCore<T>(pool, q.typed_data(), reinterpret_cast<const T*>(cache_k.typed_data()),
+                       reinterpret_cast<const T*>(cache_v.typed_data()), lens.typed_data(), new_k.typed_data(),
+                       new_v.typed_data(), anc.typed_data(), depth.typed_data(), qd[0], t_n, qd[2], d, kd[1], kd[2],
+                       out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -633,7 +770,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttention, (CacheAttention<float, ffi::
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttentionF16, (CacheAttention<_Float16, ffi::F16>),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttentionF16, (CacheAttention<hsdjax_simd::half, ffi::F16>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -659,5 +796,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttentionF16, (CacheAttention<_Float16,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxTreeAttention, (TreeAttention<float, ffi::F32>),
                               HSDJAX_TREE_ATTENTION_BINDING(ffi::F32));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxTreeAttentionF16, (TreeAttention<_Float16, ffi::F16>),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxTreeAttentionF16, (TreeAttention<hsdjax_simd::half, ffi::F16>),
                               HSDJAX_TREE_ATTENTION_BINDING(ffi::F16));

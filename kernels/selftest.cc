@@ -22,6 +22,7 @@
 namespace selftest {
 
 uint64_t state = 0x9E3779B97F4A7C15ull;
+void Seed(uint64_t seed) { state = 0x9E3779B97F4A7C15ull ^ (seed * 0xBF58476D1CE4E5B9ull); }  // per group of checks
 uint32_t Next() {
   state ^= state << 13;
   state ^= state >> 7;
@@ -120,6 +121,7 @@ std::vector<float> Product(const Weights& wt, const std::vector<float>& x, int64
 }
 
 void MatmulChecks() {
+  Seed(1);
   const int64_t shapes[][2] = {{64, 64}, {96, 32}, {576, 96}, {1536, 64}};
   for (int bits : {32, 16, 4, 8}) {
     for (const auto& s : shapes) {
@@ -157,6 +159,7 @@ void MatmulChecks() {
 // int16x (4-bit panels): x quantized to int16 per 32 k; per block y = fma(offset, sum(q) * scale, y), then
 // y = fma(d * scale, float(sum(q * code)), y), the integer sums exact.
 void Int16xChecks() {
+  Seed(2);
   if (!kHaveInt16x) {
     std::printf("int16x: not in this build\n");
     return;
@@ -206,6 +209,149 @@ void Int16xChecks() {
   }
 }
 
+// ---- attention -------------------------------------------------------------------------------------
+
+struct SerialPool {  // no helper threads: the calling thread runs every item
+  int64_t num_threads() const { return 0; }
+  template <typename F>
+  void Schedule(F&&) {}
+};
+
+template <typename T>
+T Stored(float v) { return static_cast<T>(v); }
+
+// A random tree pass over a cache: each row of q (pre-scaled) against the cache below lens[b] and its
+// path; checks the kernel against a double-precision softmax, and each new token's row against a
+// one-token step whose cache holds the token's path (bit for bit).
+template <typename T>
+void TreeAttentionCase(int64_t d, int64_t len, int64_t t_n, const char* cache_name) {
+  const int64_t kh = 2, g = 3, h_n = kh * g, s = len + t_n + 1;
+  std::vector<float> q(t_n * h_n * d), nk(t_n * kh * d), nv(t_n * kh * d);
+  for (float& v : q) v = Uniform() / 4;
+  std::vector<T> ck(kh * s * d), cv(kh * s * d);
+  for (auto& v : ck) v = Stored<T>(Uniform());
+  for (auto& v : cv) v = Stored<T>(Uniform());
+  for (float& v : nk) v = static_cast<float>(Stored<T>(Uniform()));  // as the cache will hold them
+  for (float& v : nv) v = static_cast<float>(Stored<T>(Uniform()));
+  std::vector<int32_t> parent(t_n), depth(t_n), anc(t_n * t_n, 0);
+  for (int64_t t = 0; t < t_n; ++t) {  // node 0 the root; others hang below an earlier node
+    parent[t] = t == 0 ? -1 : static_cast<int32_t>(Next() % t);
+    depth[t] = t == 0 ? 0 : depth[parent[t]] + 1;
+    for (int64_t u = t; u >= 0; u = parent[u]) anc[t * t_n + depth[u]] = static_cast<int32_t>(u);
+  }
+  const int32_t lens[1] = {static_cast<int32_t>(len)};
+  std::vector<float> out(t_n * h_n * d);
+  SerialPool pool;
+  TreeAttentionCore<T>(pool, q.data(), ck.data(), cv.data(), lens, nk.data(), nv.data(), anc.data(), depth.data(), 1,
+                       t_n, h_n, d, kh, s, out.data());
+  const std::string name = std::string("attention tree ") + cache_name + " d=" + std::to_string(d) +
+                           " len=" + std::to_string(len) + " t=" + std::to_string(t_n);
+  double worst = 0.0;
+  bool steps_equal = true;
+  for (int64_t t = 0; t < t_n; ++t) {
+    for (int64_t kv = 0; kv < kh; ++kv) {
+      // keys and values this token sees, in position order
+      std::vector<const T*> keys;
+      std::vector<const float*> new_keys, new_vals;
+      for (int64_t e = 0; e <= depth[t]; ++e) {
+        new_keys.push_back(nk.data() + (anc[t * t_n + e] * kh + kv) * d);
+        new_vals.push_back(nv.data() + (anc[t * t_n + e] * kh + kv) * d);
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const float* qr = q.data() + (t * h_n + kv * g + gi) * d;
+        std::vector<double> sc;
+        for (int64_t j = 0; j < len; ++j) {
+          double acc = 0;
+          for (int64_t e = 0; e < d; ++e) acc += double(qr[e]) * double(static_cast<float>(ck[(kv * s + j) * d + e]));
+          sc.push_back(acc);
+        }
+        for (const float* kj : new_keys) {
+          double acc = 0;
+          for (int64_t e = 0; e < d; ++e) acc += double(qr[e]) * double(kj[e]);
+          sc.push_back(acc);
+        }
+        double mx = sc[0], sum = 0;
+        for (double v : sc) mx = std::max(mx, v);
+        for (double& v : sc) sum += (v = std::exp(v - mx));
+        for (int64_t e = 0; e < d; ++e) {
+          double o = 0;
+          for (int64_t j = 0; j < len; ++j) o += sc[j] * double(static_cast<float>(cv[(kv * s + j) * d + e]));
+          for (size_t j = 0; j < new_vals.size(); ++j) o += sc[len + j] * double(new_vals[j][e]);
+          worst = std::max(worst, std::fabs(o / sum - out[(t * h_n + kv * g + gi) * d + e]));
+        }
+      }
+    }
+    // the same token as a one-token step: its ancestors are in the cache, in depth order
+    const int64_t len1 = len + depth[t];
+    std::vector<T> ck1(kh * (len1 + 1) * d), cv1(kh * (len1 + 1) * d);
+    for (int64_t kv = 0; kv < kh; ++kv) {
+      for (int64_t j = 0; j < len1; ++j)
+        for (int64_t e = 0; e < d; ++e) {
+          const bool cached = j < len;
+          const int64_t u = cached ? 0 : anc[t * t_n + (j - len)];
+          ck1[(kv * (len1 + 1) + j) * d + e] = cached ? ck[(kv * s + j) * d + e] : Stored<T>(nk[(u * kh + kv) * d + e]);
+          cv1[(kv * (len1 + 1) + j) * d + e] = cached ? cv[(kv * s + j) * d + e] : Stored<T>(nv[(u * kh + kv) * d + e]);
+        }
+    }
+    const int32_t lens1[1] = {static_cast<int32_t>(len1)}, anc1[1] = {0}, depth1[1] = {0};
+    std::vector<float> out1(h_n * d);
+    TreeAttentionCore<T>(pool, q.data() + t * h_n * d, ck1.data(), cv1.data(), lens1, nk.data() + t * kh * d,
+                         nv.data() + t * kh * d, anc1, depth1, 1, 1, h_n, d, kh, len1 + 1, out1.data());
+    steps_equal &= std::memcmp(out1.data(), out.data() + t * h_n * d, h_n * d * 4) == 0;
+  }
+  Check(worst < 1e-5, name + " matches the double-precision softmax (max error " + std::to_string(worst) + ")");
+  Check(steps_equal, name + ": every token's row equals its one-token step bit for bit");
+  std::printf("%s %016llx\n", name.c_str(), static_cast<unsigned long long>(Hash(out.data(), out.size() * 4)));
+}
+
+void AttentionChecks() {
+  Seed(3);
+  for (int64_t d : {64, 128, 48}) {
+    for (int64_t len : {0, 5, 250, 300}) {
+      for (int64_t t_n : {1, 3, 9}) {
+        TreeAttentionCase<float>(d, len, t_n, "f32");
+        TreeAttentionCase<hsdjax_simd::half>(d, len, t_n, "f16");
+      }
+    }
+  }
+  // the cache-only kernel (online-softmax state) against a double-precision one
+  const int64_t kh = 2, r_n = 5, d = 64, s = 600;
+  for (int64_t len : {1, 256, 513}) {
+    std::vector<float> q(kh * r_n * d), ck(kh * s * d), cv(kh * s * d), m(kh * r_n), l(kh * r_n), acc(kh * r_n * d);
+    for (float& v : q) v = Uniform() / 4;
+    for (float& v : ck) v = Uniform();
+    for (float& v : cv) v = Uniform();
+    const int32_t lens[1] = {static_cast<int32_t>(len)};
+    SerialPool pool;
+    CacheAttentionCore<float>(pool, q.data(), ck.data(), cv.data(), lens, 1, kh, r_n, d, s, m.data(), l.data(), acc.data());
+    double worst = 0;
+    for (int64_t kv = 0; kv < kh; ++kv)
+      for (int64_t r = 0; r < r_n; ++r) {
+        std::vector<double> sc(len);
+        double mx = -1e300, sum = 0;
+        for (int64_t j = 0; j < len; ++j) {
+          double a = 0;
+          for (int64_t e = 0; e < d; ++e) a += double(q[(kv * r_n + r) * d + e]) * ck[(kv * s + j) * d + e];
+          mx = std::max(mx, sc[j] = a);
+        }
+        for (double& v : sc) sum += (v = std::exp(v - mx));
+        const int64_t row = kv * r_n + r;
+        worst = std::max(worst, std::fabs(l[row] * std::exp(m[row] - mx) - sum) / sum);
+        for (int64_t e = 0; e < d; ++e) {
+          double o = 0;
+          for (int64_t j = 0; j < len; ++j) o += sc[j] * cv[(kv * s + j) * d + e];
+          worst = std::max(worst, std::fabs(acc[row * d + e] * std::exp(m[row] - mx) / sum - o / sum));
+        }
+      }
+    const std::string name = "attention cache len=" + std::to_string(len);
+    Check(worst < 1e-5, name + " matches the double-precision softmax (max error " + std::to_string(worst) + ")");
+    std::vector<float> all(m);
+    all.insert(all.end(), l.begin(), l.end());
+    all.insert(all.end(), acc.begin(), acc.end());
+    std::printf("%s %016llx\n", name.c_str(), static_cast<unsigned long long>(Hash(all.data(), all.size() * 4)));
+  }
+}
+
 }  // namespace selftest
 
 int main(int argc, char** argv) {
@@ -229,6 +375,7 @@ int main(int argc, char** argv) {
   std::printf("instruction set %s, %d floats per vector\n", hsdjax_simd::kIsa, hsdjax_simd::kLanes);
   MatmulChecks();
   Int16xChecks();
+  AttentionChecks();
   std::printf("selftest: %d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
