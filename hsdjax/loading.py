@@ -272,7 +272,7 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
         backend = {"path": "cpu-kernel", "isa": isa, "mode": setting if setting in ACTIVATIONS else "float32",
                    "why": f"hsdjax's CPU kernels ({isa}, {setting} as asked)"}
         if setting == "auto":  # kept only where this machine measured it faster than XLA's dot
-            verdict = cpu_matmul_kernel.measured_verdict(params, activations)
+            verdict = cpu_matmul_kernel.measured_verdict(params, plain, activations)
             backend = dict(backend, why=verdict["why"], ratios=verdict["ratios"])
             if not verdict["use"]:
                 params, cfg = plain, plain_cfg

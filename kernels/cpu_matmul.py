@@ -539,85 +539,101 @@ def screened_argmax(x: Float[Array, "... K"], wq: Any, colabs: Any) -> Int[Array
 # ------------------------------------------------------------------------------- a default by measurement
 
 MEASURED_ROWS = (1, 8, 64)  # rows of x: a decoding step, a tree pass, a prefill chunk
+MEASURE_VERSION = 5  # of how ``measure_against_xla`` times (part of the cached verdict's key)
 
 
-def _median_pair(kernel, xla, x, wk, wx, reps: int) -> tuple[float, float]:
-    """Medians of interleaved timings of kernel(x, wk) and xla(x, wx) (both compiled first)."""
+def _median_pair(kernel, xla, args_k, args_x, reps: int) -> tuple[float, float]:
+    """Medians of interleaved timings of kernel(*args_k) and xla(*args_x) (both compiled first)."""
     import time
 
-    kernel(x, wk).block_until_ready()
-    xla(x, wx).block_until_ready()
+    jax.block_until_ready(kernel(*args_k))
+    jax.block_until_ready(xla(*args_x))
     ts_k, ts_x = [], []
     for _ in range(reps):
         t = time.perf_counter()
-        kernel(x, wk).block_until_ready()
+        jax.block_until_ready(kernel(*args_k))
         ts_k.append(time.perf_counter() - t)
         t = time.perf_counter()
-        xla(x, wx).block_until_ready()
+        jax.block_until_ready(xla(*args_x))
         ts_x.append(time.perf_counter() - t)
     return float(np.median(ts_k)), float(np.median(ts_x))
 
 
-def model_weights(params: dict[str, Any]) -> list[tuple[Any, int]]:
-    """The distinct packed weights of a packed model, each with how many times a step multiplies by a
-    weight of its shape and format: one layer's projections (times the layers) and the LM head."""
-    layers = [v for k, v in params.items() if k.startswith("blocks_")]
-    count = len(layers)
+def model_weights(params: dict[str, Any]) -> tuple[list[list[Any]], Any]:
+    """A model's matmul weights as one step uses them: each layer's projections (packed panels in a
+    packed model, [K, N] matrices in a plain one) and the LM head (``head_panels``, or the plain
+    model's ``lm_head`` / transposed embedding)."""
     if "layers" in params:  # scanned: one stacked array per projection
-        one = {k: v[0] for k, v in params["layers"].items() if k in PACKED_WEIGHTS}
-        count = next(iter(params["layers"].values())).shape[0]
+        stacked = [v for k, v in params["layers"].items() if k in PACKED_WEIGHTS]
+        layers = [[w[i] for w in stacked] for i in range(stacked[0].shape[0])]
     else:
-        one = {k: v for k, v in layers[0].items() if k in PACKED_WEIGHTS} if layers else {}
-    seen: dict[tuple, list] = {}
-    for w in one.values():
-        key = (tuple(w.shape), str(w.dtype))
-        seen.setdefault(key, [w, 0])[1] += count
-    seen.setdefault((tuple(params["head_panels"].shape), str(params["head_panels"].dtype)),
-                    [params["head_panels"], 0])[1] += 1
-    return [(w, n) for w, n in seen.values()]
+        blocks = sorted((k for k in params if k.startswith("blocks_")), key=lambda k: int(k.split("_")[1]))
+        layers = [[v for k, v in params[b].items() if k in PACKED_WEIGHTS] for b in blocks]
+    if "head_panels" in params:
+        head = params["head_panels"]
+    else:
+        head = params["lm_head"] if "lm_head" in params else jnp.transpose(params["embed"])
+    return layers, head
 
 
-def measure_against_xla(weights: list[tuple[Any, int]], activations: str = "float32",
-                        rows: tuple[int, ...] = MEASURED_ROWS, reps: int = 7) -> dict[int, dict[str, float]]:
-    """For each row count M: the seconds one model step's matmuls take through the kernel and through
-    XLA's dot on the same weights as float32 matrices (what ``cpu_matmul="off"`` runs), summed over
-    ``weights`` ((panels, times per step)); medians of ``reps`` interleaved calls per weight."""
-    kernel = jax.jit(functools.partial(panel_matmul, activations=activations))
-    xla = jax.jit(lambda x, w: x @ w)
+def _step(matmul):
+    """One model step's matmuls (every layer's projections, then the head) for rows of x, in one
+    program (unrolled, as the model's layers are on CPU)."""
+
+    def step(xs, layers, head, x_head):  # xs[i][j]: the rows for layer i's weight j (no two calls alike)
+        outs = [matmul(x, w)[0, 0] for xl, wl in zip(xs, layers) for x, w in zip(xl, wl)]
+        return jnp.sum(jnp.stack([*outs, matmul(x_head, head)[0, 0]]))
+
+    return jax.jit(step)
+
+
+def measure_against_xla(params: dict[str, Any], plain: dict[str, Any], activations: str = "float32",
+                        rows: tuple[int, ...] = MEASURED_ROWS, reps: int = 5) -> dict[int, dict[str, float]]:
+    """For each row count M: the seconds one step's matmuls take with every layer's own weights in one
+    compiled program each (dispatch paid once, as in the model), through the kernel on the packed
+    model ``params`` and through XLA's dot on the plain float32 model ``plain`` (what
+    ``cpu_matmul="off"`` runs); medians of ``reps`` interleaved runs."""
+    layers, head = model_weights(params)
+    plain_layers, plain_head = model_weights(plain)
+    kernel = _step(functools.partial(panel_matmul, activations=activations))
+    xla = _step(lambda x, w: x @ w)
     rng = np.random.default_rng(0)
     out = {}
     for m in rows:
-        total_k = total_x = 0.0
-        for wp, times in weights:
-            dense = unpack(decompress(wp) if is_compressed(wp) else wp.astype(jnp.float32))
-            x = jnp.asarray(rng.standard_normal((m, dense.shape[0]), np.float32))
-            t_k, t_x = _median_pair(kernel, xla, x, wp, dense, reps)
-            total_k += t_k * times
-            total_x += t_x * times
-            del dense
-        out[m] = {"kernel_s": total_k, "xla_s": total_x}
+        def inputs(ls):
+            return [[jnp.asarray(rng.standard_normal((m, w.shape[-2] if w.ndim == 2 else w.shape[-2] *
+                                                       (BLOCK_ROWS[compressed_bits(w)] if is_compressed(w) else 1)),
+                                                     np.float32)) for w in wl] for wl in ls]
+
+        k_head = plain_head.shape[0]
+        x_head = jnp.asarray(rng.standard_normal((m, k_head), np.float32))
+        t_k, t_x = _median_pair(kernel, xla, (inputs(layers), layers, head, x_head),
+                                (inputs(plain_layers), plain_layers, plain_head, x_head), reps)
+        out[m] = {"kernel_s": t_k, "xla_s": t_x}
     return out
 
 
-def measured_verdict(params: dict[str, Any], activations: str = "float32", fresh: bool = False) -> dict[str, Any]:
-    """Whether this machine's kernel beats XLA's dot on a packed model's own matmuls, measured once per
-    library, model shapes and mode and cached: {"use": bool, "max_rows": the largest measured row count
+def measured_verdict(params: dict[str, Any], plain: dict[str, Any], activations: str = "float32",
+                     fresh: bool = False) -> dict[str, Any]:
+    """Whether this machine's kernel beats XLA's dot on a model's own matmuls (``params`` packed,
+    ``plain`` the same model's float32 params), measured once per library, model shapes and mode and cached: {"use": bool, "max_rows": the largest measured row count
     up to which the kernel is faster at every measured count (0: not even one row), "ratios": {M: XLA's
     time / the kernel's}, "isa", "why": one line}."""
     import json
 
     from hsdjax.paths import cache_dir
 
-    weights = model_weights(params)
-    sig = hashlib.sha256(repr(sorted((tuple(w.shape), str(w.dtype), n) for w, n in weights)).encode()
-                         + activations.encode() + repr(MEASURED_ROWS).encode()).hexdigest()[:12]
+    layers, head = model_weights(params)
+    shapes = [(tuple(w.shape), str(w.dtype)) for w in (*layers[0], head)]
+    sig = hashlib.sha256(repr((shapes, len(layers), MEASURE_VERSION)).encode() + activations.encode()
+                         + repr(MEASURED_ROWS).encode()).hexdigest()[:12]
     path = cache_dir("cpu_matmul") / f"verdict-{library_path().stem}-{sig}.json"
     if path.is_file() and not fresh:
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass
-    timings = measure_against_xla(weights, activations)
+    timings = measure_against_xla(params, plain, activations)
     ratios = {m: t["xla_s"] / t["kernel_s"] for m, t in timings.items()}
     max_rows = 0
     for m in MEASURED_ROWS:
