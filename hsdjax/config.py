@@ -49,9 +49,10 @@ class ModelConfig:
     # "bfloat16": the compressed 4-bit matmuls round their inputs to bfloat16 (``load_model(cpu_matmul="bf16x")``);
     # "int8": they quantize them to int8 per 32 k (``cpu_matmul="int8x"``); "int16": to int16 (``"int16x"``)
     cpu_matmul_activations: str = "float32"
-    # With cpu_matmul: passes of more rows than this multiply through XLA's dot on the decoded weights
-    # (``load_model`` sets it where its measurement found XLA's dot faster for prefill chunks; 0: never).
-    cpu_matmul_max_rows: int = 0
+    # With cpu_matmul: prompt chunks (passes of more new tokens per row than a decoding or tree pass has,
+    # ``cpu_attention.MAX_NEW_TOKENS``) multiply through XLA's dot on the decoded weights (``load_model``
+    # sets it where its measurement found XLA's dot faster for them; every method prefills alike).
+    cpu_matmul_prefill_xla: bool = False
     # Greedy tokens of the LM head through an int8 screen (``cpu_matmul.screened_argmax``: the same index
     # as the float32 logits' argmax, most of the head's float32 products skipped); the params then carry
     # ``head_colabs``. Set by ``load_model`` when the head is an 8-bit compressed panel and the CPU has VNNI.

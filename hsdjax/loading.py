@@ -278,8 +278,8 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
                 params, cfg = plain, plain_cfg
                 use_kernels = False
                 backend = dict(backend, path="xla", mode="float32")
-            elif verdict["max_rows"] < cpu_matmul_kernel.MEASURED_ROWS[-1]:
-                cfg = cfg.replace(cpu_matmul_max_rows=verdict["max_rows"])
+            else:
+                cfg = cfg.replace(cpu_matmul_prefill_xla=verdict["prefill_xla"])
         del plain
     if use_kernels:
         if screened_head and cpu_matmul_kernel.can_screen(params["head_panels"], activations):

@@ -21,8 +21,8 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.config import ModelConfig
-from hsdjax.kernels.cpu_attention import tree_attention_cpu
-from hsdjax.kernels.cpu_matmul import PANEL, panel_matmul, screened_argmax
+from hsdjax.kernels.cpu_attention import MAX_NEW_TOKENS, tree_attention_cpu
+from hsdjax.kernels.cpu_matmul import PANEL, panel_matmul, panel_matmul_reference, screened_argmax
 from hsdjax.kernels.tree_attention import NEG_INF, attention_fn  # noqa: F401  (NEG_INF re-exported)
 from hsdjax.sampling import argmax_last
 
@@ -147,6 +147,16 @@ def apply_rope(x: Float[Array, "B T N D"], cos: Array, sin: Array) -> Float[Arra
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def kernel_matmul(cfg: ModelConfig, h: Float[Array, "... T K"], wp: Any) -> Float[Array, "... T N"]:
+    """``h @ W`` for weights packed for the CPU kernel (``cpu_matmul.pack_params``): through the kernel,
+    or, for a prompt chunk where ``cfg.cpu_matmul_prefill_xla`` (measured faster), through XLA's dot on
+    the decoded weights. Decoding steps and tree passes (at most ``MAX_NEW_TOKENS`` new tokens per row)
+    always take the kernel, so a tree pass computes what one-token steps compute."""
+    if cfg.cpu_matmul_prefill_xla and h.ndim >= 2 and h.shape[-2] > MAX_NEW_TOKENS:
+        return panel_matmul_reference(h, wp, cfg.cpu_matmul_activations)
+    return panel_matmul(h, wp, cfg.cpu_matmul_activations)
+
+
 def _dense_init(scale: float = 0.02):
     return nn.initializers.normal(stddev=scale)
 
@@ -169,10 +179,8 @@ class Block(nn.Module):
         def dense(h, name, k_in, n_out):  # h @ W[k_in, n_out] (stored as panels with cpu_matmul)
             if cfg.cpu_matmul:  # float32 or compressed panels (``cpu_matmul.pack_params``)
                 if self.has_variable("params", name):
-                    return panel_matmul(h, self.get_variable("params", name), cfg.cpu_matmul_activations,
-                                        cfg.cpu_matmul_max_rows)
-                return panel_matmul(h, p(name, (n_out // PANEL, k_in, PANEL)), cfg.cpu_matmul_activations,
-                                    cfg.cpu_matmul_max_rows)
+                    return kernel_matmul(cfg, h, self.get_variable("params", name))
+                return kernel_matmul(cfg, h, p(name, (n_out // PANEL, k_in, PANEL)))
             return h @ p(name, (k_in, n_out))
 
         x_in = x
@@ -277,8 +285,7 @@ class Transformer(nn.Module):
         """LM head (the tied embedding matrix or the separate head); float32 logits."""
         dt = jnp.dtype(self.cfg.dtype)
         if self.cfg.cpu_matmul:  # float32 or compressed panels
-            return panel_matmul(hidden, self.get_variable("params", "head_panels"), self.cfg.cpu_matmul_activations,
-                                self.cfg.cpu_matmul_max_rows)
+            return kernel_matmul(self.cfg, hidden, self.get_variable("params", "head_panels"))
         if self.cfg.tie_embeddings:  # contract with the [V, E] embedding directly: no transposed copy
             return jnp.einsum("...e,ve->...v", hidden, self.embed.astype(dt), preferred_element_type=jnp.float32)
         return jnp.matmul(hidden, self.lm_head.astype(dt), preferred_element_type=jnp.float32)

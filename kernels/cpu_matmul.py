@@ -464,8 +464,7 @@ def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str =
     return y.reshape(*y.shape[:-2], -1)
 
 
-def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32",
-                 max_rows: int = 0) -> Float[Array, "... N"]:
+def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32") -> Float[Array, "... N"]:
     """``x @ unpack(wp)`` through the kernel, float32, bfloat16 or compressed panels (call ``load`` first).
 
     ``activations="bfloat16"`` (4-bit compressed panels; ``load_model(cpu_matmul="bf16x")``): x rounded
@@ -474,15 +473,11 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
     the float32 products. ``"int8"`` (``cpu_matmul="int8x"``): x quantized to int8 per 32 k and
     multiplied with AVX512-VNNI (four k per instruction) by 4-bit and 8-bit panels (K a multiple of 32),
     coarser still, same for every M too. ``"int16"`` (``cpu_matmul="int16x"``, 4-bit panels): x quantized
-    to int16 per 32 k, two k per VNNI instruction, within ~1e-5 of the float32 products, same for every M.
-    ``max_rows`` (float32 activations): more rows than that go through XLA's dot on the decoded weights
-    instead (``measured_verdict`` sets it where XLA's dot is faster for long passes; 0: no limit)."""
+    to int16 per 32 k, two k per VNNI instruction, within ~1e-5 of the float32 products, same for every M."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:
         rows *= s
-    if max_rows and rows > max_rows and activations == "float32":  # where XLA's dot measured faster
-        return panel_matmul_reference(x.astype(jnp.float32), wp)
     n = wp.shape[0] * PANEL
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     if is_compressed(wp):
@@ -539,7 +534,7 @@ def screened_argmax(x: Float[Array, "... K"], wq: Any, colabs: Any) -> Int[Array
 # ------------------------------------------------------------------------------- a default by measurement
 
 MEASURED_ROWS = (1, 8, 64)  # rows of x: a decoding step, a tree pass, a prefill chunk
-MEASURE_VERSION = 5  # of how ``measure_against_xla`` times (part of the cached verdict's key)
+MEASURE_VERSION = 6  # of how ``measure_against_xla`` times (part of the cached verdict's key)
 
 
 def _median_pair(kernel, xla, args_k, args_x, reps: int) -> tuple[float, float]:
@@ -613,6 +608,24 @@ def measure_against_xla(params: dict[str, Any], plain: dict[str, Any], activatio
     return out
 
 
+def verdict_from(timings: dict[int, dict[str, float]], isa: str) -> dict[str, Any]:
+    """``measured_verdict``'s decision from the timings of ``measure_against_xla``."""
+    ratios = {m: t["xla_s"] / t["kernel_s"] for m, t in timings.items()}
+    decode_rows, prefill_rows = MEASURED_ROWS[:-1], MEASURED_ROWS[-1]
+    use = all(ratios[m] > 1.0 for m in decode_rows)  # steps and tree passes alike, or a pass would not equal steps
+    prefill_xla = use and ratios[prefill_rows] < 1.0
+    shown = ", ".join(f"M={m} {r:.2f}x" for m, r in ratios.items())
+    if not use:
+        why = f"XLA's dot: on this CPU ({isa}) the kernel is slower for decoding ({shown} XLA's speed)"
+    elif prefill_xla:
+        why = (f"the kernel ({isa}) for decoding and tree passes, XLA's dot for prompt chunks "
+               f"({shown} XLA's speed on this model's matmuls)")
+    else:
+        why = f"the kernel ({isa}): {shown} XLA's speed on this model's matmuls"
+    return {"use": use, "prefill_xla": prefill_xla, "ratios": {str(m): r for m, r in ratios.items()},
+            "isa": isa, "why": why, "timings": {str(m): t for m, t in timings.items()}}
+
+
 def measured_verdict(params: dict[str, Any], plain: dict[str, Any], activations: str = "float32",
                      fresh: bool = False) -> dict[str, Any]:
     """Whether this machine's kernel beats XLA's dot on a model's own matmuls (``params`` packed,
@@ -634,23 +647,7 @@ def measured_verdict(params: dict[str, Any], plain: dict[str, Any], activations:
         except (OSError, ValueError):
             pass
     timings = measure_against_xla(params, plain, activations)
-    ratios = {m: t["xla_s"] / t["kernel_s"] for m, t in timings.items()}
-    max_rows = 0
-    for m in MEASURED_ROWS:
-        if ratios[m] <= 1.0:
-            break
-        max_rows = m
-    isa = instruction_set()
-    shown = ", ".join(f"M={m} {r:.2f}x" for m, r in ratios.items())
-    if max_rows == 0:
-        why = f"XLA's dot: on this CPU ({isa}) the kernel is slower for one row ({shown} XLA's speed)"
-    elif max_rows < MEASURED_ROWS[-1]:
-        why = (f"the kernel ({isa}) for up to {max_rows} rows ({shown} XLA's speed); longer passes "
-               f"(prefill chunks) through XLA's dot")
-    else:
-        why = f"the kernel ({isa}): {shown} XLA's speed on this model's matmuls"
-    verdict = {"use": max_rows > 0, "max_rows": max_rows, "ratios": {str(m): r for m, r in ratios.items()},
-               "isa": isa, "why": why, "timings": {str(m): t for m, t in timings.items()}}
+    verdict = verdict_from(timings, instruction_set())
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(verdict, indent=1))
     tmp.replace(path)

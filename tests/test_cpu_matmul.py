@@ -654,3 +654,33 @@ def test_projections_fuse_after_packing_when_stored_alike(kernel):
     blk["wv"] = jnp.zeros((blk["wv"].shape[0], blk["wv"].shape[1] * 2, 640), jnp.uint8)  # 8-bit blocks
     mixed["blocks_3"] = blk
     assert fuse_projections(mixed, packed=True) is None
+
+
+# ------------------------------------------------------------------------------------------ the measured default
+
+
+@pytest.mark.parametrize("ratios, use, prefill_xla", [
+    ({1: 2.8, 8: 2.6, 64: 0.9}, True, True),    # this AVX2 machine: kernel for decoding, XLA for prompt chunks
+    ({1: 3.2, 8: 2.5, 64: 1.2}, True, False),   # kernel everywhere
+    ({1: 1.3, 8: 0.9, 64: 0.5}, False, False),  # tree passes slower: not at all (a pass must take a step's path)
+    ({1: 0.5, 8: 2.0, 64: 2.0}, False, False),  # a step slower: XLA's dot
+])
+def test_the_default_keeps_the_kernel_only_where_it_measured_faster(ratios, use, prefill_xla):
+    timings = {m: {"kernel_s": 1.0, "xla_s": r} for m, r in ratios.items()}
+    verdict = cpu_matmul.verdict_from(timings, "avx2 (8 floats per vector)")
+    assert (verdict["use"], verdict["prefill_xla"]) == (use, prefill_xla)
+    assert ("avx2" in verdict["why"]) and (verdict["why"].startswith("XLA's dot") != use)
+
+
+def test_the_measured_default_times_the_models_own_matmuls(kernel):
+    """``measure_against_xla`` on a packed tiny model and its plain params: positive times for every
+    row count, and the verdict cached (a second call reads it back without timing)."""
+    params = init_params(PANEL_LLAMA, seed=3)
+    packed = cpu_matmul.pack_params(params, True)
+    layers, head = cpu_matmul.model_weights(packed)
+    plain_layers, plain_head = cpu_matmul.model_weights(params)
+    assert len(layers) == len(plain_layers) == PANEL_LLAMA.num_layers and head.ndim == 3 and plain_head.ndim == 2
+    first = cpu_matmul.measured_verdict(packed, params, fresh=True)
+    assert set(first["ratios"]) == {str(m) for m in cpu_matmul.MEASURED_ROWS}
+    assert all(t["kernel_s"] > 0 and t["xla_s"] > 0 for t in first["timings"].values())
+    assert cpu_matmul.measured_verdict(packed, params) == first
