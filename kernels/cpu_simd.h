@@ -11,6 +11,12 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+// GCC 12 warns inside its own AVX-512 headers (their _mm512_undefined_ps() idiom, GCC bug 105593),
+// wherever a kernel converts with them; the warning is about the header, not about our code.
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 #endif
