@@ -45,7 +45,8 @@ def main() -> int:
         print("no C++ compiler", file=sys.stderr)
         return 1
     print(f"CPU: {cpu_matmul.cpu_summary()}; one thread; microseconds (median of 25)")
-    header = "| build | instruction set | " + " | ".join(f"{k}x{n} {b}-bit M={m}" for k, n, b in SHAPES for m in ROWS) + " |"
+    columns = [f"{k}x{n} {b}-bit M={m}" for k, n, b in SHAPES for m in ROWS]
+    header = "| build | instruction set | " + " | ".join(columns) + " |"
     print(header)
     print("|" + " --- |" * (2 + len(SHAPES) * len(ROWS)))
     with tempfile.TemporaryDirectory() as tmp:

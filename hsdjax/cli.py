@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("name")
 
     b = sub.add_parser("bench", help="Spec-Bench-compatible benchmark of methods and peers",
-                       description="Run methods (and peers: hf-ar, hf-assisted, hf-pld, llamacpp, llamacpp-pld) on Spec-Bench "
+                       description="Run methods (and peers: hf-ar, hf-assisted, hf-pld, llamacpp, llamacpp-pld) on "
+                                   "Spec-Bench "
                                    "question files; writes answers/, report.md, report.json and plots to --out. "
                                    "A killed run resumes.")
     b.add_argument("--model", default=None, help="model name, .gguf file or HF folder (default: smollm2-135m)")

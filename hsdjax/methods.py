@@ -78,8 +78,8 @@ class Method:
 REGISTRY = {m.name: m for m in (
     Method("ar"),
     Method("pld", ("depth", "width", "lookup_lengths"), {"width": 2, "depth": 6}),
-    # measured on Qwen2.5-Coder-1.5B / 2-core CPU (experiments/notes/benchmarks-log.md): adaptive up to 8 drafts 1.20x ar,
-    # fixed 4 1.11x, fixed 8 1.14x
+    # measured on Qwen2.5-Coder-1.5B / 2-core CPU (experiments/notes/benchmarks-log.md): adaptive up to 8
+    # drafts 1.20x ar, fixed 4 1.11x, fixed 8 1.14x
     Method("sps", ("depth", "draft_model", "draft_length"), {"depth": 8}),
     # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy; a grafted
     # lookup continuation of 6 tokens on 2-token matches took hsd from 1.10x to 1.62x ar on the dev sets

@@ -828,7 +828,8 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
   }
   if (act == Activations::kInt16 && bits == 4) {  // x is quantized per 32 k (8-bit blocks: the float32 chains)
     if (!kHaveInt16x) {
-      return ffi::Error::InvalidArgument("hsdjax int16x matmul: this build has neither AVX512-VNNI / AVX512-BW nor AVX2");
+      return ffi::Error::InvalidArgument(
+          "hsdjax int16x matmul: this build has neither AVX512-VNNI / AVX512-BW nor AVX2");
     }
     xw.reset(new uint32_t[m * (k / 2)]);
     sq.reset(new float[m * (k / 32)]);

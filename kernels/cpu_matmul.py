@@ -629,9 +629,10 @@ def verdict_from(timings: dict[int, dict[str, float]], isa: str) -> dict[str, An
 def measured_verdict(params: dict[str, Any], plain: dict[str, Any], activations: str = "float32",
                      fresh: bool = False) -> dict[str, Any]:
     """Whether this machine's kernel beats XLA's dot on a model's own matmuls (``params`` packed,
-    ``plain`` the same model's float32 params), measured once per library, model shapes and mode and cached: {"use": bool, "max_rows": the largest measured row count
-    up to which the kernel is faster at every measured count (0: not even one row), "ratios": {M: XLA's
-    time / the kernel's}, "isa", "why": one line}."""
+    ``plain`` the same model's float32 params), measured once per library, model shapes and mode and
+    cached under hsdjax's cache: ``verdict_from``'s {"use": the kernel is faster for one row and for a
+    tree pass's rows (both, so that tree passes and steps take one path), "prefill_xla": XLA's dot is
+    faster for a prompt chunk's rows, "ratios": {M: XLA's time / the kernel's}, "isa", "why": one line}."""
     import json
 
     from hsdjax.paths import cache_dir
