@@ -374,7 +374,11 @@ def cmd_cpu_matmul(args: argparse.Namespace) -> int:
                 _log(f"skipped: {exc}")
                 return 0
             raise HsdjaxError(str(exc)) from None
-        _log(f"built {path}; models load with it on this CPU (turn off: --cpu-matmul off or HSDJAX_CPU_MATMUL=off)")
+        warnings = cpu_matmul.last_build_warnings()
+        if warnings:
+            _log(f"compiler warnings:\n{warnings[-2000:]}")
+        _log(f"built {path} for {cpu_matmul.instruction_set()}; models use it where it measures faster than XLA's "
+             "dot on this CPU (`hsdjax cpu-matmul status`; turn off: --cpu-matmul off or HSDJAX_CPU_MATMUL=off)")
         return 0
     built = cpu_matmul.is_built()
     print(f"CPU: {cpu_matmul.cpu_summary()}")
