@@ -28,8 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # for the repository's configs (hsdjax itself is imported installed)
 
 DEFAULT_CONFIG = ROOT / "configs" / "drafter-smollm2-135m-hsd.json"
 

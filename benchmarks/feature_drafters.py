@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 DEV = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval"
-SETS = [("mt_bench", 1), ("mt_bench", 2), ("gsm8k", 1), ("humaneval", 1), ("alpaca", 1)]
 DEPTHS_SHOWN = 10  # acceptance per depth: at least this many depths
 
 
@@ -88,10 +87,9 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
 
 def dev_prompts(ar: Any, limit: int, max_new: int) -> list[tuple[str, list[int]]]:
     """(``set/tTURN``, token ids) for the first ``limit`` questions of each dev set and turn."""
-    from hsdjax.bench.questions import build_prompts, read_questions
+    from hsdjax.bench.questions import dev_set_prompts
 
-    return [(f"{name}/t{turn}", ids) for name, turn in SETS
-            for ids in build_prompts(ar, read_questions(DEV / f"{name}.jsonl")[:limit], turn, max_new)]
+    return dev_set_prompts(ar, DEV, limit, max_new)
 
 
 def run_interleaved(runners: list[Any], prompts: list[tuple[str, list[int]]], max_new: int

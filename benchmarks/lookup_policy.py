@@ -195,10 +195,10 @@ def load_or_generate(args: Any) -> dict[str, list[tuple[list[int], list[int]]]]:
     train = [enc.encode_prompt(p) for _, p in training_prompts(args.per_source, args.seed)]
     groups = {"train": list(zip(train, greedy_answers(model, train, args.max_new_tokens, args.batch)))}
     if args.dev:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from feature_drafters import dev_prompts
+        from hsdjax.bench.questions import dev_set_prompts
 
-        dev = [ids for _, ids in dev_prompts(enc, 2, args.max_new_tokens)]
+        folder = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval"  # beside the checkout
+        dev = [ids for _, ids in dev_set_prompts(enc, folder, 2, args.max_new_tokens)]
         groups["dev"] = list(zip(dev, greedy_answers(model, dev, args.max_new_tokens, 1)))
     if args.answers:
         Path(args.answers).write_text(json.dumps(groups))

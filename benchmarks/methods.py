@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ar_vs_transformers import progress  # noqa: E402
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def decode_speed(t: Any) -> float | None:

@@ -46,7 +46,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def main() -> int:
     import numpy as np
 
-    from feature_drafters import dev_prompts
+    from feature_drafters import dev_prompts  # (experiments put benchmarks/ on sys.path)
     from hsdjax.api import Generator, enable_compilation_cache, load_model
     from hsdjax.bench.runners import LocalMethod
 

@@ -99,15 +99,15 @@ def cpu_matmul_setting(setting: str | None) -> str:
     return setting or os.environ.get("HSDJAX_CPU_MATMUL") or "auto"
 
 
-def use_cpu_matmul(setting: str | None, cfg: ModelConfig, mesh: Any) -> bool:
-    """Whether a model loads with the CPU matmul kernel (see ``load_model``)."""
+def cpu_kernels_unavailable(setting: str | None, cfg: ModelConfig, mesh: Any) -> str | None:
+    """Why a model cannot load with the CPU kernels under ``setting`` (None when it can)."""
     setting = cpu_matmul_setting(setting)
     if setting not in CPU_MATMUL_SETTINGS:
         raise HsdjaxError(f"cpu_matmul must be one of {', '.join(CPU_MATMUL_SETTINGS)} (got {setting!r})")
-    if setting == "off":
-        return False
     why = cpu_matmul_kernel.unsupported(cfg)
-    if jax.default_backend() != "cpu":
+    if setting == "off":
+        why = "the CPU kernels are off"
+    elif jax.default_backend() != "cpu":
         why = f"the backend is {jax.default_backend()}, not the CPU"
     elif mesh is not None:
         why = "the model is sharded over a mesh"
@@ -118,27 +118,23 @@ def use_cpu_matmul(setting: str | None, cfg: ModelConfig, mesh: Any) -> bool:
     elif why is None and setting == "int8x" and not cpu_matmul_kernel.has_int8x():
         why = "this CPU has no AVX512-VNNI / AVX512-VBMI (the int8-activation products)"
     elif why is None and setting == "int16x" and not cpu_matmul_kernel.has_int16x():
-        why = "this CPU has no AVX512-VNNI / AVX512-BW (the int16-activation products)"
-    if why and setting in ("on", "float32", "bf16x", "int8x", "int16x"):
-        raise HsdjaxError(f"cpu_matmul={setting}, but {why}")
+        why = "this CPU has neither AVX512-VNNI / AVX512-BW nor AVX2 (the int16-activation products)"
+    return why
+
+
+def use_cpu_matmul(setting: str | None, cfg: ModelConfig, mesh: Any) -> bool:
+    """Whether a model loads with the CPU matmul kernel (see ``load_model``); an explicit setting that
+    cannot be met is refused with the reason."""
+    why = cpu_kernels_unavailable(setting, cfg, mesh)
+    if why and cpu_matmul_setting(setting) in ("on", "float32", "bf16x", "int8x", "int16x"):
+        raise HsdjaxError(f"cpu_matmul={cpu_matmul_setting(setting)}, but {why}")
     return why is None
 
 
 def _xla_backend(setting: str | None, cfg: ModelConfig, mesh: Any) -> dict[str, Any]:
     """The backend description of a model that does not use the CPU kernels, with the reason."""
-    if jax.default_backend() != "cpu":
-        why = f"XLA on {jax.default_backend()}"
-    elif cpu_matmul_setting(setting) == "off":
-        why = "XLA's dot (the CPU kernels are off)"
-    elif mesh is not None:
-        why = "XLA's dot (the model is sharded over a mesh)"
-    elif cpu_matmul_kernel.unsupported(cfg):
-        why = f"XLA's dot ({cpu_matmul_kernel.unsupported(cfg)})"
-    elif not cpu_matmul_kernel.is_built():
-        why = "XLA's dot (the CPU kernels are not built: `hsdjax cpu-matmul build`)"
-    else:
-        why = "XLA's dot"
-    return {"path": "xla", "mode": cfg.dtype, "why": why}
+    why = cpu_kernels_unavailable(setting, cfg, mesh)
+    return {"path": "xla", "mode": cfg.dtype, "why": f"XLA's dot ({why})" if why else "XLA's dot"}
 
 
 def _pack_for_cpu_kernels(params: Any, cfg: ModelConfig, source: registry.ModelSource, fingerprint: str,

@@ -100,3 +100,14 @@ def turn_prompt(gen: Any, turns: Sequence[str], turn: int, max_new: int) -> list
 def build_prompts(gen: Any, questions: Sequence[Question], turn: int, max_new: int) -> list[list[int]]:
     """``turn_prompt`` of each question."""
     return [turn_prompt(gen, q.turns, turn, max_new) for q in questions]
+
+
+DEV_SETS = (("mt_bench", 1), ("mt_bench", 2), ("gsm8k", 1), ("humaneval", 1), ("alpaca", 1))  # (file, turn)
+
+
+def dev_set_prompts(gen: Any, folder: str | Path, limit: int, max_new: int) -> list[tuple[str, list[int]]]:
+    """(``set/tTURN``, token ids) for the first ``limit`` questions of each dev set and turn in ``folder``
+    (the Spec-Bench question files; the prompts of ``benchmarks/feature_drafters.py``)."""
+    return [(f"{name}/t{turn}", ids) for name, turn in DEV_SETS
+            for ids in build_prompts(gen, read_questions(Path(folder) / f"{name}.jsonl")[:limit], turn, max_new)]
+
