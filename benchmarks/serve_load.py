@@ -6,6 +6,7 @@
     python benchmarks/serve_load.py --questions ../shared/data/eval/mt_bench.jsonl --limit 16
     python benchmarks/serve_load.py --scenario multiturn --variants ar --max-context 2048   # prefix reuse
     python benchmarks/serve_load.py --scenario arrival --variants ar --max-context 2048     # chunked prefill
+    python benchmarks/serve_load.py --scenario coldstart --variants pld --max-context 2048  # first requests
 
 A variant is a method (``ar``, ``pld``, ``sps``), optionally ``@N`` for ``--spec-max-active N``
 (speculate only while at most N rows are busy; ``@none``: always speculate; no suffix: the server's
@@ -273,6 +274,64 @@ def run_arrival(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cold_and_warm(url: str, model: str, documents: list[str], chars: int, streams: int,
+                        max_tokens: int) -> dict[str, Any]:
+    """The first request of about ``chars`` characters (its prompt bucket never seen), then another of
+    the same length (warm), each while ``streams`` streams decode: both times to first token and the
+    streams' largest gap against their median gap."""
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
+        out: dict[str, Any] = {}
+        for name, doc in (("cold", documents[0]), ("warm", documents[1])):
+            tasks = [asyncio.create_task(one_request(http, url, model, PROMPTS[i % len(PROMPTS)], max_tokens))
+                     for i in range(streams)]
+            await asyncio.sleep(2.0)  # the streams are decoding
+            r = await one_request(http, url, model, doc[:chars], 4)
+            runs = await asyncio.gather(*tasks)
+            gaps = [b - a for x in runs for a, b in zip(x["chunks"], x["chunks"][1:])]
+            out[name] = {"tokens": r["prompt_tokens"], "ttft": r["ttft"], "gap_p50": percentile(gaps, 0.5),
+                         "gap_max": max(gaps, default=float("nan")), "gap_p99": percentile(gaps, 0.99)}
+        return out
+
+
+def rss_mb(proc: subprocess.Popen) -> float:
+    """The server process's resident memory (Linux), MB."""
+    try:
+        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def run_coldstart(args: argparse.Namespace) -> int:
+    """Start-up (load and warm-up until /health is ready), then for each prompt length the first
+    request of that length against a second one (a different document, so no prefix is reused), each
+    arriving while ``--streams`` streams decode: its time to first token and the streams' gaps."""
+    docs = long_documents(Path(args.documents), 9000, 40000, 2 * len(args.lengths.split(",")))
+    print(f"{'variant':<8} {'start s':>7} {'prompt':>6} {'cold ttft':>9} {'warm ttft':>9} {'cold/warm':>9} "
+          f"{'streams gap p50':>15} {'gap p99 cold':>12} {'gap max cold':>12}", flush=True)
+    for method in args.variants.split(","):
+        t0 = time.perf_counter()
+        proc, url = start_server(args, method, None, "--prefix-cache-mb", "0")
+        start_s = time.perf_counter() - t0
+        try:
+            print(f"{method}: ready after {start_s:.1f} s, RSS {rss_mb(proc):.0f} MB", flush=True)
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            for i, chars in enumerate(int(c) for c in args.lengths.split(",")):
+                r = asyncio.run(cold_and_warm(url, model, docs[2 * i: 2 * i + 2], chars, args.streams,
+                                              args.stream_tokens))
+                c, w = r["cold"], r["warm"]
+                print(f"{method:<8} {start_s:>7.1f} {c['tokens']:>6} {c['ttft']:>9.2f} {w['ttft']:>9.2f} "
+                      f"{c['ttft'] / w['ttft']:>8.2f}x {c['gap_p50']:>15.3f} {c['gap_p99']:>12.3f} "
+                      f"{c['gap_max']:>12.3f}", flush=True)
+            print(f"{method}: RSS after the requests {rss_mb(proc):.0f} MB", flush=True)
+        finally:
+            stop(proc)
+    return 0
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -308,9 +367,12 @@ def main() -> int:
     p.add_argument("--questions", action="append", default=None, help="JSONL question files (turns[0] is used)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per level")
-    p.add_argument("--scenario", choices=("load", "multiturn", "arrival"), default="load",
+    p.add_argument("--scenario", choices=("load", "multiturn", "arrival", "coldstart"), default="load",
                    help="load: clients levels (default); multiturn: turn-2 time to first token with and without "
-                        "prefix reuse; arrival: running streams' latency while a long prompt arrives")
+                        "prefix reuse; arrival: running streams' latency while a long prompt arrives; "
+                        "coldstart: start-up time and the first request of each length against a warm one")
+    p.add_argument("--lengths", default="400,800,1600,3200,6000",
+                   help="coldstart: prompt lengths in characters (default 400,800,1600,3200,6000: ~100-1,500 tokens)")
     p.add_argument("--documents", default=str(ROOT.parent / "shared/data/train/prompts_more.jsonl"),
                    help="where the long prompts come from (QMSum transcripts)")
     p.add_argument("--conversations", type=int, default=4, help="multiturn: conversations per server (default 4)")
@@ -324,6 +386,8 @@ def main() -> int:
         return run_multiturn(args)
     if args.scenario == "arrival":
         return run_arrival(args)
+    if args.scenario == "coldstart":
+        return run_coldstart(args)
     prompts = read_prompts(args)
     clients = [int(c) for c in args.clients.split(",")]
     rows = []

@@ -1,7 +1,12 @@
 """Token selection: greedy argmax, and temperature / top-k / top-p sampling, per batch row.
 
 Settings are arrays (one value per row) so one compiled program serves every request; a row with
-temperature 0 is greedy. The adjustment order is temperature -> top-k -> top-p, as in Hugging Face
+temperature 0 is greedy, and so is any temperature below ``GREEDY_BELOW`` (float32's smallest normal
+number: smaller ones are subnormal, which the CPU may flush to zero mid-computation). Logits are
+shifted by their row's maximum before the division, so no temperature the settings accept overflows:
+at 2e-38 the maximum stays 0 and every other logit lands near -1e38 or at -inf (greedy, ties drawn at
+random).
+The adjustment order is temperature -> top-k -> top-p, as in Hugging Face
 ``generate``. ``adjust_logits`` is the single definition of the target distribution that plain
 sampling and speculative verification both use.
 
@@ -17,10 +22,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int, Shaped, UInt
 
 NEG_INF = -jnp.inf
+GREEDY_BELOW = float(np.finfo(np.float32).tiny)  # temperatures under float32's smallest normal are greedy
 CANDIDATES = 256  # the largest logits per row the fast top-k / top-p path looks at
 FIT_MARGIN = 1e-4  # a top-p row fits only if the candidates hold this much more than top_p
 
@@ -36,10 +43,15 @@ class SamplingParams:
     @classmethod
     def make(cls, batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
         return cls(
-            temperature=jnp.full((batch,), temperature, jnp.float32),
+            temperature=jnp.full((batch,), effective_temperature(temperature), jnp.float32),
             top_k=jnp.full((batch,), top_k, jnp.int32),
             top_p=jnp.full((batch,), top_p, jnp.float32),
         )
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature sampling uses: ``temperature``, or 0 (greedy) below ``GREEDY_BELOW``."""
+    return float(temperature) if temperature >= GREEDY_BELOW else 0.0
 
 
 def _lowest(dtype: jnp.dtype) -> Array:
@@ -74,9 +86,13 @@ def top_k_blocked(
 
 
 def _scaled(logits: Float[Array, "B V"], sp: SamplingParams) -> Float[Array, "B V"]:
-    """Logits over temperature (rows with temperature 0 are left unscaled)."""
+    """Logits less their row's maximum, over temperature (rows with temperature 0 are left unscaled).
+
+    Shifting first keeps every value at or below 0, so a tiny temperature sends logits to -inf, never
+    to +inf (whose difference in the softmax would be NaN); the distribution is the same."""
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
-    return logits.astype(jnp.float32) / temp[:, None]
+    logits = logits.astype(jnp.float32)
+    return (logits - jnp.max(logits, axis=-1, keepdims=True)) / temp[:, None]
 
 
 def _keep(scaled: Float[Array, "B V"], threshold: Float[Array, " B"]) -> Float[Array, "B V"]:

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -71,14 +72,17 @@ def host_name(host: str) -> str:
 
 
 LINGER_S = 0.5  # how long a refused body's remaining pieces are read and dropped (``RequestGuard.drain``)
+DRAIN_BYTES = 64 << 20  # the most of a refused body that is read and dropped before the connection closes
 
 
 class RequestGuard:
     """Pure ASGI checks before the app sees a request (streams pass through untouched): the Host
     header (``allowed_hosts``; None allows any), the API key (``Authorization: Bearer``; not for
-    ``OPEN_PATHS``), the body size (a ``Content-Length`` over ``max_body_bytes`` is refused before a
-    byte of the body is read; a chunked body is counted as it arrives) and the body's pace (a client
-    that stops sending for ``body_timeout_s`` mid-body gets 408). Refusals close the connection."""
+    ``OPEN_PATHS``), the body size (a ``Content-Length`` over ``max_body_bytes`` is refused without
+    handing a byte of the body to the app; a chunked body is counted as it arrives) and the body's pace
+    (a client that stops sending for ``body_timeout_s`` mid-body gets 408). Refusals close the
+    connection; an oversized body is read and dropped first (``drain``) so that every client reads
+    the 413."""
 
     def __init__(self, app: Any, *, metrics: Metrics, api_key: str | None, allowed_hosts: list[str] | None,
                  max_body_bytes: int, body_timeout_s: float):
@@ -91,13 +95,14 @@ class RequestGuard:
         return APIError(413, f"The request body is larger than this server's limit of {self.max_body_bytes} "
                              "bytes.", code="request_too_large", headers={"Connection": "close"})
 
-    async def drain(self, receive: Any) -> None:
-        """Read and drop what a client is still sending after its body went past the limit (up to
-        another ``max_body_bytes``, while pieces keep coming within ``LINGER_S``). Closing a socket
-        with unread bytes sends a TCP reset, which can destroy the 413 before a client that writes its
-        whole body first gets to read it; a drained socket closes cleanly."""
+    @staticmethod
+    async def drain(receive: Any) -> None:
+        """Read and drop what a client is still sending of a refused body (up to ``DRAIN_BYTES``, while
+        pieces keep coming within ``LINGER_S``). A client that writes its whole body before reading
+        (httpx's and openai's async clients) would otherwise see a connection reset, not the 413:
+        closing a socket with unread bytes sends a TCP reset, which destroys the answer in flight."""
         dropped = 0
-        while dropped <= self.max_body_bytes:
+        while dropped <= DRAIN_BYTES:
             try:
                 message = await asyncio.wait_for(receive(), LINGER_S)
             except asyncio.TimeoutError:
@@ -129,7 +134,10 @@ class RequestGuard:
         err = self.refusal(scope)
         if err is not None:
             self.metrics.error(err.type)
-            await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
+            headers = Headers(scope=scope)
+            if err.status == 413 and "100-continue" not in headers.get("expect", "").lower():
+                await self.drain(receive)  # a client waiting for "100 Continue" has sent nothing yet
+            await JSONBody(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
             return
         received, done = 0, False
 
@@ -170,8 +178,40 @@ def _common_loc(errors: list[dict[str, Any]]) -> list[str]:
     return prefix
 
 
+def _finite_numbers(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by None (JSON has neither)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_numbers(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_numbers(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any) -> str:
+    """``obj`` as JSON text that is valid whatever it holds: non-finite floats become null and lone
+    surrogates (which JSON's ``\\ud800`` escapes can carry in, and UTF-8 cannot encode) U+FFFD."""
+    try:
+        text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        text = json.dumps(_finite_numbers(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # pairs stay pairs, lone halves become U+FFFD
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+class JSONBody(JSONResponse):
+    """The app's JSON responses, rendered by ``json_text`` (never a 500 from encoding the answer)."""
+
+    def render(self, content: Any) -> bytes:
+        return json_text(content).encode("utf-8")
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json_text(obj)}\n\n"
 
 
 @dataclass(frozen=True)
@@ -214,7 +254,7 @@ def gauges(sched: Scheduler) -> dict[str, tuple[int, str]]:
 def error_response(state: ServerState, err: APIError) -> JSONResponse:
     """``err`` as the OpenAI error body, counted in the metrics."""
     state.metrics.error(err.type if err.status != 429 else "rate_limit_exceeded")
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return JSONBody(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -281,7 +321,7 @@ async def health(request: Request) -> JSONResponse:
         status, code = "loading", 503
     else:
         status, code = "ok", 200
-    return JSONResponse({"status": status, "model": state.model_name, "method": sched.method, **snap,
+    return JSONBody({"status": status, "model": state.model_name, "method": sched.method, **snap,
                          "max_batch": sched.max_batch, "max_queue": sched.max_queue,
                          "context": sched.context_limit,
                          "spec_max_active": sched.spec_max_active if sched.plain is not None else None},
@@ -432,7 +472,7 @@ async def complete(state: ServerState, req: GenRequest, builder: ResponseBuilder
             kind, payload = await req.queue.get()
             if kind == "done":
                 use = usage(payload["prompt_tokens"], payload["completion_tokens"], payload["cached_tokens"])
-                return JSONResponse(builder.full(payload["choices"], use, payload["hsdjax"]))
+                return JSONBody(builder.full(payload["choices"], use, payload["hsdjax"]))
             if kind == "error":
                 return error_response(state, payload)
     finally:
@@ -494,7 +534,7 @@ def create_app(sched: Scheduler, model_name: str, *, api_key: str | None = None,
     """The app serving ``sched`` (see ``RequestGuard`` for the keyword arguments)."""
     state = ServerState.build(sched, model_name)
     app = FastAPI(title="hsdjax", description="OpenAI-compatible server with lossless speculative decoding",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, default_response_class=JSONBody)
     app.state.server, app.state.scheduler = state, sched
     app.add_middleware(RequestGuard, metrics=state.metrics, api_key=api_key, allowed_hosts=allowed_hosts,
                        max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)

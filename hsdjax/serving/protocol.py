@@ -216,7 +216,8 @@ Scored = tuple[Any, int]  # (api.TokenLogprob, where the token's text starts in 
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    """``logprob`` as JSON can carry it: ``LOGPROB_FLOOR`` for -inf, anything below it, or NaN."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares false
 
 
 class ResponseBuilder:
