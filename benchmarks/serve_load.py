@@ -309,7 +309,9 @@ def run_coldstart(args: argparse.Namespace) -> int:
     """Start-up (load and warm-up until /health is ready), then for each prompt length the first
     request of that length against a second one (a different document, so no prefix is reused), each
     arriving while ``--streams`` streams decode: its time to first token and the streams' gaps."""
-    docs = long_documents(Path(args.documents), 9000, 40000, 2 * len(args.lengths.split(",")))
+    docs = long_documents(Path(args.documents), max(int(c) for c in args.lengths.split(",")), 10**6,
+                          2 * len(args.lengths.split(",")))
+    args.max_batch = max(args.max_batch, args.streams + 1)  # a row for it at once: no wait in the queue
     print(f"{'variant':<8} {'start s':>7} {'prompt':>6} {'cold ttft':>9} {'warm ttft':>9} {'cold/warm':>9} "
           f"{'streams gap p50':>15} {'gap p99 cold':>12} {'gap max cold':>12}", flush=True)
     for method in args.variants.split(","):
