@@ -251,7 +251,7 @@ def feature_drafter(target: Target, method: str, seed: int = 0) -> tuple[Any, An
     net = init_net(fc, seed)
     net = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), net)  # as load_drafter gives them
     dparams = bind(net, np.arange(fc.vocab, dtype=np.int32), target.params, mc)
-    return build_feature_drafter(method, fc, layers, **DEFAULTS[method]), dparams
+    return build_feature_drafter(method, fc, layers, backend=mc.backend, **DEFAULTS[method]), dparams
 
 
 def float32_panels(dparams: Any) -> Any:

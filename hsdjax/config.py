@@ -14,6 +14,29 @@ SUPPORTED_FAMILIES = ("llama", "qwen2")
 
 CACHE_DTYPES = (None, "float32", "float16", "bfloat16")
 
+# How a model's attention and matmuls run: its one backend setting (``ModelConfig.backend``), resolved
+# once by ``load_model`` and read by the model, the drafters (``make_drafter`` gives them the target's)
+# and the drafter-data recorder.
+#   "reference":  XLA's dot and the jnp tree attention (``kernels.tree_attention.tree_attention_reference``)
+#   "pallas":     XLA's dot and the Pallas tree-attention kernel (Mosaic on TPU, Triton on GPU)
+#   "cpu-kernel": hsdjax's C++ CPU kernels: projections and LM head as packed panels
+#                 (``kernels.cpu_matmul``; the params must be packed so), attention by ``kernels.cpu_attention``
+#   "auto":       "pallas" on a GPU or TPU, "reference" elsewhere (``resolve_backend``); never "cpu-kernel",
+#                 which needs packed params: ``load_model`` chooses it (``cpu_matmul``)
+BACKENDS = ("auto", "reference", "pallas", "cpu-kernel")
+ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")  # JAX platforms "auto" runs the Pallas kernel on
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """``backend`` with "auto" resolved for JAX's default device (the others are returned as they are)."""
+    if backend not in BACKENDS:
+        raise HsdjaxError(f"backend must be one of {', '.join(BACKENDS)} (got {backend!r})")
+    if backend != "auto":
+        return backend
+    import jax  # here, not at the top: reading a config needs no JAX
+
+    return "pallas" if jax.default_backend() in ACCELERATORS else "reference"
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -36,21 +59,19 @@ class ModelConfig:
     # Run layers under lax.scan (compile time independent of depth) or unrolled (separate per-layer
     # weights: faster decoding on XLA's CPU backend, which copies scanned weight slices).
     scan_layers: bool = True
-    # Attention implementation: "auto" (Pallas kernel on GPU/TPU, jnp reference on CPU), "reference"
-    # or "pallas" (see hsdjax.kernels.tree_attention.attention_fn).
-    attention: str = "auto"
+    # How attention and matmuls run (``BACKENDS``): ``load_model`` stores it resolved; "auto" (a config
+    # built by hand) is resolved where it is read (``resolved_backend``).
+    backend: str = "auto"
     # q/k/v as one matmul (``wqkv``) and gate/up as one (``w_gate_up``): fewer, wider matmuls (see
     # ``hsdjax.model.fuse_projections``); unsharded models only (a split over heads needs them apart).
     # ``load_model`` sets it when the CPU kernels run and the parts' packed panels are stored alike.
     fused_projections: bool = False
-    # Projections and the LM head through hsdjax's CPU matmul kernel (``hsdjax.kernels.cpu_matmul``):
-    # weights packed in panels, head packed as ``head_panels``. Set by ``load_model`` on CPU when built.
-    cpu_matmul: bool = False
-    # "bfloat16": the compressed 4-bit matmuls round their inputs to bfloat16 (``load_model(cpu_matmul="bf16x")``);
-    # "int8": they quantize them to int8 per 32 k (``cpu_matmul="int8x"``); "int16": to int16 (``"int16x"``)
+    # With backend "cpu-kernel": "bfloat16": the compressed 4-bit matmuls round their inputs to bfloat16
+    # (``load_model(cpu_matmul="bf16x")``); "int8": they quantize them to int8 per 32 k
+    # (``cpu_matmul="int8x"``); "int16": to int16 (``"int16x"``)
     cpu_matmul_activations: str = "float32"
-    # With cpu_matmul: prompt chunks (passes of more new tokens per row than a decoding or tree pass has,
-    # ``cpu_attention.MAX_NEW_TOKENS``) multiply through XLA's dot on the decoded weights (``load_model``
+    # With backend "cpu-kernel": prompt chunks (passes of more new tokens per row than a decoding or tree
+    # pass has, ``cpu_attention.MAX_NEW_TOKENS``) multiply through XLA's dot on the decoded weights (``load_model``
     # sets it where its measurement found XLA's dot faster for them; every method prefills alike).
     cpu_matmul_prefill_xla: bool = False
     # Greedy tokens of the LM head through an int8 screen (``cpu_matmul.screened_argmax``: the same index
@@ -67,8 +88,8 @@ class ModelConfig:
             raise HsdjaxError(
                 f"unsupported model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
             )
-        if self.attention not in ("auto", "reference", "pallas"):
-            raise HsdjaxError(f"attention must be auto, reference or pallas (got {self.attention!r})")
+        if self.backend not in BACKENDS:
+            raise HsdjaxError(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         if self.cache_dtype not in CACHE_DTYPES:
             raise HsdjaxError(f"cache_dtype must be one of float32, float16, bfloat16 (got {self.cache_dtype!r})")
         if self.num_heads % self.num_kv_heads:
@@ -79,6 +100,22 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def resolved_backend(self) -> str:
+        """``backend`` as it runs here ("auto" resolved by ``resolve_backend``): what the model, the
+        drafters and training read."""
+        return resolve_backend(self.backend)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "ModelConfig":
+        """A config from ``to_dict``'s fields, also as older versions wrote them (``attention`` and the
+        ``cpu_matmul`` flag, since joined as ``backend``)."""
+        fields = dict(fields)
+        attention, kernels = fields.pop("attention", "auto"), fields.pop("cpu_matmul", False)
+        if "backend" not in fields:
+            fields["backend"] = "cpu-kernel" if kernels else attention
+        return cls(**fields)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsdjax import registry, sharding
-from hsdjax.config import ModelConfig
+from hsdjax.config import ModelConfig, resolve_backend
 from hsdjax.errors import HsdjaxError
 from hsdjax.kernels import cpu_matmul as cpu_matmul_kernel
 from hsdjax.model import fuse_projections, unstack_layers
@@ -263,7 +263,7 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
         if fused is not None:  # the packed panels joined (the same formats only)
             params, cfg = fused, cfg.replace(fused_projections=True)
         activations = ACTIVATIONS.get(setting, "float32")
-        cfg = cfg.replace(cpu_matmul=True, cpu_matmul_activations=activations)
+        cfg = cfg.replace(backend="cpu-kernel", cpu_matmul_activations=activations)
         isa = cpu_matmul_kernel.instruction_set()
         backend = {"path": "cpu-kernel", "isa": isa, "mode": setting if setting in ACTIVATIONS else "float32",
                    "why": f"hsdjax's CPU kernels ({isa}, {setting} as asked)"}
@@ -281,6 +281,8 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
         if screened_head and cpu_matmul_kernel.can_screen(params["head_panels"], activations):
             params = dict(params, head_colabs=jnp.asarray(cpu_matmul_kernel.column_abs_sums(params["head_panels"])))
             cfg = cfg.replace(screened_head=True)
+    if not use_kernels:  # the one backend setting, resolved here: the Pallas kernel on GPU / TPU, else XLA's
+        cfg = cfg.replace(backend=resolve_backend("auto"))
     params = sharding.shard_params(cfg, params, mesh)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)

@@ -17,8 +17,8 @@ import jax
 
 from hsdjax.drafters import ARDrafter, DraftLMDrafter, Drafter, EagleDrafter, HSDDrafter, PromptLookupDrafter
 from hsdjax.drafters.checkpoint import load_drafter, shipped_path
-from hsdjax.drafters.feature import LOOKUP_MAX_NGRAM
 from hsdjax.drafters.hsd import POLICIES
+from hsdjax.drafters.pld import FIXED_MAX_NGRAM, TABLE_MAX_NGRAM
 from hsdjax.drafters.sps import DRAFT_LENGTHS, check_draft_compatible
 from hsdjax.errors import HsdjaxError
 from hsdjax.loading import load_model
@@ -49,8 +49,8 @@ OPTIONS = (  # in the order of the command line's --help
                                 "draft probability reaches this (the tree grows where the drafter is sure)"),
     Option("lookup", "count", "hsd/eagle: also verify prompt lookup's continuation of up to this many tokens "
                               "when the context has a match (0: off; default 6)"),
-    Option("lookup_ngram", "size", "hsd/eagle: shortest match (1-3 newest tokens, default 2) that grafts a lookup "
-                                   "continuation"),
+    Option("lookup_ngram", "size", f"hsd/eagle: shortest match (1-{FIXED_MAX_NGRAM} newest tokens, default 2) that "
+                                   "grafts a lookup continuation"),
     Option("lookup_lengths", "text", "pld/hsd/eagle: lookup chain length by match length, e.g. 0,1,1,3: a match of "
                                      "the 1, 2, 3, 4 newest tokens proposes 0, 1, 1, 3 tokens (replaces --lookup and "
                                      "--lookup-ngram, and pld's --depth)"),
@@ -63,7 +63,6 @@ OPTIONS = (  # in the order of the command line's --help
 OPTION_NAMES = tuple(o.name for o in OPTIONS)
 TREE_SIZES = ("depth", "width", "budget")  # the tree's shape options
 TUNED_KEYS = (*TREE_SIZES, "lookup")  # what `hsdjax tune` chooses (lookup: hsd / eagle's grafted continuation)
-MAX_LOOKUP_NGRAM = 8  # the longest match a lookup_lengths table may name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +128,9 @@ def parse_lookup_lengths(value: Any) -> tuple[int, ...]:
         lengths = tuple(int(v) for v in text.split(","))
     except ValueError:
         lengths = ()
-    if (not lengths or len(lengths) > MAX_LOOKUP_NGRAM or min(lengths) < 0 or max(lengths) < 1
+    if (not lengths or len(lengths) > TABLE_MAX_NGRAM or min(lengths) < 0 or max(lengths) < 1
             or max(lengths) > 64):
-        raise HsdjaxError(f"--lookup-lengths expects 1-{MAX_LOOKUP_NGRAM} comma-separated chain lengths (0-64, at "
+        raise HsdjaxError(f"--lookup-lengths expects 1-{TABLE_MAX_NGRAM} comma-separated chain lengths (0-64, at "
                           f"least one above 0) for matches of 1, 2, ... tokens, e.g. 0,1,1,3 (got {text!r})")
     return lengths
 
@@ -261,8 +260,8 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
             raise HsdjaxError(f"--lookup must be between 0 and 64 (got {given['lookup']})")
         setting["lookup"] = given["lookup"]
     if "lookup_ngram" in given:
-        if not 1 <= given["lookup_ngram"] <= LOOKUP_MAX_NGRAM:
-            raise HsdjaxError(f"--lookup-ngram must be between 1 and {LOOKUP_MAX_NGRAM} (got {given['lookup_ngram']})")
+        if not 1 <= given["lookup_ngram"] <= FIXED_MAX_NGRAM:
+            raise HsdjaxError(f"--lookup-ngram must be between 1 and {FIXED_MAX_NGRAM} (got {given['lookup_ngram']})")
         setting["lookup_ngram"] = given["lookup_ngram"]
     if "lookup_lengths" in given:
         if "lookup" in given or "lookup_ngram" in given:
@@ -282,12 +281,13 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
         if not 0 <= given["ahead"] <= 4:
             raise HsdjaxError(f"--ahead must be between 0 and 4 (got {given['ahead']})")
         setting["ahead"] = given["ahead"]
-    return feature_drafter(method, cfg, layers, **setting), dparams
+    return feature_drafter(method, cfg, layers, backend=model.cfg.backend, **setting), dparams
 
 
 def feature_drafter(method: str, cfg: Any, layers: tuple[int, ...], **setting: Any) -> Drafter:
     """An ``hsd`` / ``eagle`` drafter of network config ``cfg`` over the fused target ``layers``, with
-    ``setting`` (depth, width, budget, hsd's policy, min_prob, lookup); the budget is capped at depth x width."""
+    ``setting`` (depth, width, budget, hsd's policy, min_prob, lookup, the target's ``backend``); the budget
+    is capped at depth x width."""
     setting["budget"] = min(setting["budget"], setting["depth"] * setting["width"])
     if method == "hsd":
         return HSDDrafter(cfg=cfg, layers=layers, **setting)

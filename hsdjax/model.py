@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 from hsdjax.config import ModelConfig
 from hsdjax.kernels.cpu_attention import MAX_NEW_TOKENS, tree_attention_cpu
 from hsdjax.kernels.cpu_matmul import PANEL, panel_matmul, panel_matmul_reference, screened_argmax
-from hsdjax.kernels.tree_attention import NEG_INF, attention_fn  # noqa: F401  (NEG_INF re-exported)
+from hsdjax.kernels.tree_attention import attention_fn
 from hsdjax.sampling import argmax_last
 
 
@@ -147,6 +147,12 @@ def apply_rope(x: Float[Array, "B T N D"], cos: Array, sin: Array) -> Float[Arra
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def attention_for(backend: str) -> Any:
+    """The tree attention a resolved backend (``ModelConfig.resolved_backend``) runs: the C++ kernel
+    (``cpu_attention``) for "cpu-kernel", else ``attention_fn``'s (the Pallas kernel or the jnp reference)."""
+    return tree_attention_cpu if backend == "cpu-kernel" else attention_fn(backend)
+
+
 def kernel_matmul(cfg: ModelConfig, h: Float[Array, "... T K"], wp: Any) -> Float[Array, "... T N"]:
     """``h @ W`` for weights packed for the CPU kernel (``cpu_matmul.pack_params``): through the kernel,
     or, for a prompt chunk where ``cfg.cpu_matmul_prefill_xla`` (measured faster), through XLA's dot on
@@ -169,6 +175,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, cache_k, cache_v, cos, sin, cache_len, new_mask):
         cfg = self.cfg
+        backend = cfg.resolved_backend
         e, d = cfg.hidden_size, cfg.head_dim
         hq, hk = cfg.num_heads * d, cfg.num_kv_heads * d
         dt = jnp.dtype(cfg.dtype)
@@ -176,8 +183,8 @@ class Block(nn.Module):
         def p(name, shape, init=_dense_init()):
             return self.param(name, init, shape, jnp.float32).astype(dt)
 
-        def dense(h, name, k_in, n_out):  # h @ W[k_in, n_out] (stored as panels with cpu_matmul)
-            if cfg.cpu_matmul:  # float32 or compressed panels (``cpu_matmul.pack_params``)
+        def dense(h, name, k_in, n_out):  # h @ W[k_in, n_out] (stored as panels for the CPU kernels)
+            if backend == "cpu-kernel":  # float32 or compressed panels (``cpu_matmul.pack_params``)
                 if self.has_variable("params", name):
                     return kernel_matmul(cfg, h, self.get_variable("params", name))
                 return kernel_matmul(cfg, h, p(name, (n_out // PANEL, k_in, PANEL)))
@@ -201,8 +208,7 @@ class Block(nn.Module):
         v = v.reshape(b, t, cfg.num_kv_heads, d)
         if cfg.cache_dtype and cfg.cache_dtype != cfg.dtype:  # the new tokens as the cache will hold them, so
             k, v = (a.astype(cfg.cache_dtype).astype(a.dtype) for a in (k, v))  # a tree sees what `ar` reads
-        attend = tree_attention_cpu if cfg.cpu_matmul else attention_fn(cfg.attention)  # CPU kernels on
-        attn = attend(q, cache_k, cache_v, cache_len, k, v, new_mask)
+        attn = attention_for(backend)(q, cache_k, cache_v, cache_len, k, v, new_mask)
         x = x + dense(attn.reshape(b, t, hq), "wo", hq, e)
 
         h = rms_norm(x, p("mlp_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
@@ -227,7 +233,7 @@ class Transformer(nn.Module):
         self.final_norm = self.param("final_norm", nn.initializers.ones, (cfg.hidden_size,), jnp.float32)
         if not cfg.tie_embeddings:
             self.lm_head = self.param("lm_head", _dense_init(), (cfg.hidden_size, cfg.vocab_size), jnp.float32)
-        if cfg.cpu_matmul and self.is_initializing():  # the LM head packed (``cpu_matmul.pack_params``)
+        if cfg.resolved_backend == "cpu-kernel" and self.is_initializing():  # the head packed (``pack_params``)
             self.param("head_panels", _dense_init(), (cfg.vocab_size // PANEL, cfg.hidden_size, PANEL), jnp.float32)
         if cfg.scan_layers:
             self.layers = nn.scan(
@@ -258,7 +264,8 @@ class Transformer(nn.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         x = jnp.take(self.embed, tokens, axis=0).astype(dt)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, materialize=bool(cfg.cpu_matmul))
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta,
+                               materialize=cfg.resolved_backend == "cpu-kernel")
         if cache is None:
             cache_k = cache_v = cache_len = None
         else:
@@ -284,7 +291,7 @@ class Transformer(nn.Module):
     def logits(self, hidden: Float[Array, "... E"]) -> Float[Array, "... V"]:
         """LM head (the tied embedding matrix or the separate head); float32 logits."""
         dt = jnp.dtype(self.cfg.dtype)
-        if self.cfg.cpu_matmul:  # float32 or compressed panels
+        if self.cfg.resolved_backend == "cpu-kernel":  # float32 or compressed panels
             return kernel_matmul(self.cfg, hidden, self.get_variable("params", "head_panels"))
         if self.cfg.tie_embeddings:  # contract with the [V, E] embedding directly: no transposed copy
             return jnp.einsum("...e,ve->...v", hidden, self.embed.astype(dt), preferred_element_type=jnp.float32)

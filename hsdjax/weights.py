@@ -252,7 +252,7 @@ def load_weights(
     meta_file = cache_dir("weights") / f"{stem}.json"
     if cache_file.exists() and meta_file.exists():
         try:
-            cfg = ModelConfig(**json.loads(meta_file.read_text()))
+            cfg = ModelConfig.from_dict(json.loads(meta_file.read_text()))
             params = unflatten(_read_cached(cache_file, keys))
             if keys is None:
                 _check_shapes(params, cfg, str(cache_file))
@@ -266,7 +266,8 @@ def load_weights(
     # contiguous copies: safetensors' numpy writer stores a strided view's raw buffer (0.8.0)
     save_file({k: np.ascontiguousarray(v) for k, v in flatten(params).items()}, str(tmp))
     tmp.replace(cache_file)
-    meta_file.write_text(json.dumps(cfg.to_dict()))
+    # the architecture (the runtime backend, always auto here, left out: versions before it read the file too)
+    meta_file.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if k != "backend"}))
     if keys is not None:
         params = {k: v for k, v in params.items() if k in keys}
     return cfg, params, {"load_s": time.perf_counter() - t0, "cached": 0.0}

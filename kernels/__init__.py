@@ -8,15 +8,12 @@ loads nothing (no hsdjax, no jax), so such a probe stays harmless; the kernels a
 
 if __name__ == "hsdjax.kernels":
     from hsdjax.kernels.tree_attention import (
-        NEG_INF,
-        attention_backend,
+        MASKED_SCORE,
         attention_fn,
         tree_attention,
-        tree_attention_auto,
         tree_attention_reference,
     )
 
-    __all__ = ["NEG_INF", "attention_backend", "attention_fn", "tree_attention", "tree_attention_auto",
-               "tree_attention_reference"]
+    __all__ = ["MASKED_SCORE", "attention_fn", "tree_attention", "tree_attention_reference"]
 else:
     __all__ = []

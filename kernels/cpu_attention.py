@@ -22,7 +22,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.kernels.cpu_matmul import (ATTENTION_F16_TARGET, ATTENTION_TARGET, TREE_ATTENTION_F16_TARGET,
                                        TREE_ATTENTION_TARGET)
-from hsdjax.kernels.tree_attention import NEG_INF, tree_attention_reference
+from hsdjax.kernels.tree_attention import MASKED_SCORE, tree_attention_reference
 
 MAX_NEW_TOKENS = 64
 
@@ -31,7 +31,7 @@ def cache_attention(qg: Float[Array, "B K R D"], cache_k: Float[Array, "B K S D"
                     cache_len: Int[Array, " B"]) -> tuple[Float[Array, "B K R"], Float[Array, "B K R"],
                                                           Float[Array, "B K R D"]]:
     """The cache part of the softmax for pre-scaled queries: (max, sum of exp, sum of exp * v) per row
-    (max NEG_INF and zeros where a row has no valid slot). Kernel must be loaded (``cpu_matmul.load``).
+    (max MASKED_SCORE and zeros where a row has no valid slot). Kernel must be loaded (``cpu_matmul.load``).
     A float16 cache is read as it is (widened in the kernel); any other dtype is converted to float32."""
     b, k, r, d = qg.shape
     shapes = (jax.ShapeDtypeStruct((b, k, r), jnp.float32), jax.ShapeDtypeStruct((b, k, r), jnp.float32),
@@ -48,7 +48,7 @@ def cache_attention_reference(qg, cache_k, cache_v, cache_len):
     cache_k, cache_v = cache_k.astype(jnp.float32), cache_v.astype(jnp.float32)
     s = jnp.einsum("bkrd,bksd->bkrs", qg, cache_k, preferred_element_type=jnp.float32)
     valid = jnp.arange(cache_k.shape[2])[None, :] < cache_len[:, None]
-    s = jnp.where(valid[:, None, None], s, NEG_INF)
+    s = jnp.where(valid[:, None, None], s, MASKED_SCORE)
     m = jnp.max(s, axis=-1)
     p = jnp.where(valid[:, None, None], jnp.exp(s - m[..., None]), 0.0)
     return m, p.sum(-1), jnp.einsum("bkrs,bksd->bkrd", p, cache_v, preferred_element_type=jnp.float32)

@@ -19,7 +19,7 @@ out            [B, T, H, D]     dtype of q; float32 accumulation
 
 Kernel design (both variants share the math: an online, flash-attention style softmax that
 starts from the new-token scores -- the diagonal guarantees a finite running max -- and then
-folds in the cache block by block; invalid slots are masked to ``NEG_INF`` and blocks past
+folds in the cache block by block; invalid slots are masked to ``MASKED_SCORE`` and blocks past
 ``cache_len`` are skipped entirely):
 
 * Queries are regrouped GQA-style per kv head: the G query heads x T tokens of one kv head form
@@ -50,7 +50,9 @@ branch for all requested platforms, and each variant's pallas_call only lowers o
 backend. The GPU kernel is the Triton custom call ``__gpu$xla.gpu.triton``, which ``jax.export``
 only serializes with ``disabled_checks=[DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]``
 (Triton IR has no cross-version stability guarantee); the TPU one is a stable ``tpu_custom_call``.
-``tree_attention_auto`` uses the kernel on GPU / TPU and the jnp reference on CPU.
+Which implementation a model runs (this kernel, the jnp reference, or the C++ kernel of
+``cpu_attention``) is its config's ``backend`` (``hsdjax.config.BACKENDS``); ``attention_fn`` maps the
+two implemented here.
 """
 
 from __future__ import annotations
@@ -65,15 +67,17 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 __all__ = [
-    "NEG_INF",
-    "attention_backend",
+    "MASKED_SCORE",
     "attention_fn",
     "tree_attention",
-    "tree_attention_auto",
     "tree_attention_reference",
 ]
 
-NEG_INF = -1e30  # the one finite "minus infinity" of attention masks: masked scores never produce NaN
+# The score of a masked (or invalid) attention key, everywhere hsdjax masks attention: these kernels,
+# the jnp reference, the C++ kernel (``kNegInf`` in cpu_attention.cc, checked equal by
+# tests/test_tree_attention.py) and the drafters' training rollouts. Finite, so a softmax over scores
+# that are all masked never computes inf - inf (NaN). Not for logits: sampling drops tokens with -inf.
+MASKED_SCORE = -1e30
 REFERENCE_BLOCK_S = 256  # cache slots per block of the jnp reference (the CPU path)
 
 _VARIANTS = ("auto", "loop", "grid")
@@ -108,7 +112,7 @@ def new_token_softmax(q, new_k, new_v, tree_mask):
     kh = new_k.shape[2]
     qg = (q * (d ** -0.5)).reshape(b, t, kh, h // kh, d).transpose(0, 2, 3, 1, 4)
     s_new = jnp.einsum("bkgtd,bukd->bkgtu", qg, new_k, preferred_element_type=jnp.float32)
-    s_new = jnp.where(tree_mask[:, None, None], s_new, NEG_INF)
+    s_new = jnp.where(tree_mask[:, None, None], s_new, MASKED_SCORE)
     m = jnp.max(s_new, axis=-1, keepdims=True)
     p_new = jnp.exp(s_new - m)
     l = jnp.sum(p_new, axis=-1, keepdims=True)
@@ -133,7 +137,7 @@ def _reference_block(qg, k, v, start, lens, m, l, acc):
     """Fold cache slots start .. start + len(k) into the online softmax state (m, l, acc)."""
     s = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     slot = start + jnp.arange(k.shape[2], dtype=jnp.int32)
-    s = jnp.where((slot[None, :] < lens[:, None])[:, None, None, None], s, NEG_INF)
+    s = jnp.where((slot[None, :] < lens[:, None])[:, None, None, None], s, MASKED_SCORE)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
@@ -209,7 +213,7 @@ def _dot_nn(a, b, precision):
 def _new_token_part(q, nk, nv, mask, precision):
     """Softmax state (m, l, acc) over the new tokens alone. q [M, D], nk/nv [U, D], mask [M, U]."""
     s = _dot_nt(q, nk.astype(q.dtype), precision)
-    s = jnp.where(mask != 0, s, NEG_INF)
+    s = jnp.where(mask != 0, s, MASKED_SCORE)
     m = jnp.max(s, axis=1, keepdims=True)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=1, keepdims=True)
@@ -221,7 +225,7 @@ def _cache_block_update(q, k, v, start, length, m, l, acc, precision):
     """Fold one cache block (slots start .. start + len(k)) into the softmax state."""
     s = _dot_nt(q, k.astype(q.dtype), precision)
     slot = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    s = jnp.where(slot < length, s, NEG_INF)
+    s = jnp.where(slot < length, s, MASKED_SCORE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
@@ -449,33 +453,18 @@ def tree_attention(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, *,
     return lax.platform_dependent(*args, tpu=grid, default=loop)
 
 
-def attention_backend(setting: str = "auto") -> str:
-    """The implementation a backend setting means here: "auto" is "pallas" when the default JAX
-    backend is a GPU or TPU, else "reference"; "reference" and "pallas" are taken as they are."""
-    if setting not in ("auto", "reference", "pallas"):
-        raise ValueError(f"attention backend must be auto, reference or pallas, got {setting!r}")
-    if setting != "auto":
-        return setting
-    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "reference"
-
-
-def attention_fn(setting: str = "auto"):
-    """The attention function for a backend setting (see :func:`attention_backend`). Attention
-    without a cache (a prompt's own pass) always uses the reference."""
-    if attention_backend(setting) == "reference":
+def attention_fn(backend: str):
+    """The tree attention of a resolved backend (``hsdjax.config.resolve_backend``): "reference" is the
+    jnp reference, "pallas" the Pallas kernel (whose variant the lowering platform picks), except for
+    attention without a cache (a prompt's own pass), which always uses the reference. The C++ kernel of
+    "cpu-kernel" lives in ``cpu_attention`` (``hsdjax.model.attention_for`` maps all three)."""
+    if backend == "reference":
         return tree_attention_reference
+    if backend != "pallas":
+        raise ValueError(f"attention_fn takes a resolved backend, reference or pallas (got {backend!r})")
 
     def pallas_or_reference(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask):
         fn = tree_attention_reference if cache_k is None else tree_attention
         return fn(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask)
 
     return pallas_or_reference
-
-
-def tree_attention_auto(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, *,
-                        interpret: bool = False, block_s: int = 128, block_m: int = 64,
-                        variant: str = "auto"):
-    """The Pallas kernel on GPU / TPU, the jnp reference on CPU (see :func:`attention_backend`)."""
-    fn = tree_attention if attention_backend() == "pallas" else tree_attention_reference
-    return fn(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask,
-              interpret=interpret, block_s=block_s, block_m=block_m, variant=variant)

@@ -35,7 +35,7 @@ def feature_drafter(cfg, params, method, seed=0, vocab=None, sharpen=4.0, **opts
     ids = np.sort(np.random.RandomState(seed).choice(cfg.vocab_size, vocab, replace=False)).astype(np.int32)
     layers = fused_layer_indices(cfg.num_layers)[:3]
     cls = HSDDrafter if method == "hsd" else EagleDrafter
-    return cls(cfg=fc, layers=layers, **opts), bind(net, ids, params, cfg)
+    return cls(cfg=fc, layers=layers, backend=cfg.backend, **opts), bind(net, ids, params, cfg)
 
 
 def tiny_target(name):
@@ -419,7 +419,8 @@ def test_shipped_drafters_load_for_the_default_model(smollm, method):
     assert drafter.name == method and drafter.cfg.method == method
     assert len(jax.tree_util.tree_leaves(dparams["net"])) >= 12  # every weight came back, nested as trained
     v, e = drafter.cfg.vocab, smollm.cfg.hidden_size
-    if smollm.cfg.cpu_matmul:  # the drafter runs on the target's CPU kernel: its matrices as panels
+    assert drafter.backend == smollm.cfg.backend  # the drafter reads the target's one backend setting
+    if smollm.cfg.backend == "cpu-kernel":  # the drafter runs on the target's CPU kernel: its matrices as panels
         from hsdjax.kernels.cpu_matmul import is_bf16, is_compressed
         head, wq = dparams["head"], dparams["net"]["layer"]["wq"]
         assert head.shape[0] == v // 32 and wq.ndim == 3 and dparams["net"]["fuse_norm"].ndim == 2
@@ -586,13 +587,15 @@ def test_drafter_on_cpu_panels_equals_plain_matrices(method):
     states = jax.random.normal(jax.random.PRNGKey(3), (2, 5, fc.fused, fc.hidden))
     toks = jax.random.normal(jax.random.PRNGKey(4), (2, 5, fc.inject_tokens if method == "hsd" else 1, fc.hidden))
     pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
-    model = FeatureDrafterNet(fc)
+    models = {"reference": FeatureDrafterNet(fc), "cpu-kernel": FeatureDrafterNet(fc, "cpu-kernel")}
 
-    def run(p, h):
+    def run(p, h, backend="cpu-kernel"):
+        model = models[backend]
         out = model.apply({"params": p}, states, toks, pos)
         return model.apply({"params": p}, out, h, method=FeatureDrafterNet.logits)
 
-    np.testing.assert_allclose(np.asarray(run(pnet, phead)), np.asarray(run(net, head)), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(run(pnet, phead)), np.asarray(run(net, head, "reference")), rtol=2e-4,
+                               atol=2e-4)
 
     # a checkpoint's values are bfloat16 and its head is rows of the target's (block-quantized) head:
     # beside a compressed target the matrices pack in bfloat16 and the head compressed like the
@@ -619,38 +622,41 @@ def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds():
     row's whole history, up to the order of additions; slots past each row's length are never read,
     whatever they hold. ``ingest_path`` (the rounds' ingest, computed at the smallest tier of 2, 4 or 6
     rows that holds the round's counts) gives the same as a full-size ingest at every tier."""
-    from hsdjax.drafters.feature import ingest, ingest_attention, ingest_path, init_context, pack_for_cpu
+    from hsdjax.drafters.feature import ingest, ingest_path, init_context, pack_for_cpu
     from hsdjax.kernels import cpu_matmul
     from hsdjax.kernels.cpu_attention import tree_attention_cpu
     from hsdjax.kernels.tree_attention import tree_attention_reference
+    from hsdjax.model import attention_for
 
     if not cpu_matmul.load():
         pytest.skip("the CPU matmul kernel is not built here")
     fc = FeatureConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=128, fused=3, method="hsd")
     net = init_net(fc, seed=1)
     pnet, _ = pack_for_cpu(net, jnp.zeros((fc.vocab, fc.hidden)))
-    assert ingest_attention("auto", pnet) is tree_attention_cpu
-    assert ingest_attention("auto", net) is tree_attention_reference
-    model = FeatureDrafterNet(fc)
+    assert attention_for("cpu-kernel") is tree_attention_cpu  # the ingest's attention under each backend
+    assert attention_for("reference") is tree_attention_reference
+    model = {"reference": FeatureDrafterNet(fc), "cpu-kernel": FeatureDrafterNet(fc, "cpu-kernel")}
+    runs = (("reference", net), ("cpu-kernel", pnet))  # plain matrices, and panels through the CPU kernels
     rng = np.random.default_rng(0)
     b, t = 2, 6
     ctxs = [init_context(fc, b, 128) for _ in range(4)]  # plain, packed; plain and packed through ingest_path
     prompt = jnp.asarray(rng.standard_normal((b, 9, fc.hidden)), jnp.float32)
     history = [list(np.asarray(prompt[0, :9])), list(np.asarray(prompt[1, :5]))]  # each row's ingested inputs
-    for i, p in enumerate((net, pnet, net, pnet)):
-        ctxs[i], _ = ingest(model, p, ctxs[i], prompt, jnp.array([9, 5]), empty=True)
-    path_round = jax.jit(lambda p, ctx, x, c: ingest_path(model, p, ctx, lambda n: x[:, :n], c, t))
-    full_round = jax.jit(lambda p, ctx, x, c: ingest(model, p, ctx, x, c))
-    one_pass = jax.jit(lambda x, c: ingest(model, net, init_context(fc, 1, 128), x, c, empty=True)[1])
+    for i, (backend, p) in enumerate(runs + runs):
+        ctxs[i], _ = ingest(model[backend], p, ctxs[i], prompt, jnp.array([9, 5]), empty=True)
+    path_round = jax.jit(lambda p, ctx, x, c, backend: ingest_path(model[backend], p, ctx, lambda n: x[:, :n], c, t),
+                         static_argnums=4)
+    full_round = jax.jit(lambda p, ctx, x, c, backend: ingest(model[backend], p, ctx, x, c), static_argnums=4)
+    one_pass = jax.jit(lambda x, c: ingest(model["reference"], net, init_context(fc, 1, 128), x, c, empty=True)[1])
     for counts in ([1, 3], [0, 5], [6, 1], [2, 0], [4, 4], [1, 1], [0, 6]):
         x = jnp.asarray(rng.standard_normal((b, t, fc.hidden)), jnp.float32)
         c = jnp.array(counts, jnp.int32)
         outs = []
-        for i, p in enumerate((net, pnet)):
-            ctxs[i], last = full_round(p, ctxs[i], x, c)
+        for i, (backend, p) in enumerate(runs):
+            ctxs[i], last = full_round(p, ctxs[i], x, c, backend)
             outs.append(np.asarray(last))
-        for i, p in ((2, net), (3, pnet)):
-            ctxs[i], last = path_round(p, ctxs[i], x, c)
+        for i, (backend, p) in ((2, runs[0]), (3, runs[1])):
+            ctxs[i], last = path_round(p, ctxs[i], x, c, backend)
             for row in range(b):
                 if counts[row]:
                     np.testing.assert_allclose(np.asarray(last[row]), outs[i - 2][row], rtol=1e-5, atol=1e-5)

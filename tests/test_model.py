@@ -240,6 +240,6 @@ def test_target_parts_load_only_the_head_and_equal_the_full_weights(smollm):
         np.testing.assert_array_equal(value, full[key])
     assert parts.fingerprint == smollm.fingerprint and parts.name == smollm.name
     assert parts.cfg.replace(dtype=smollm.cfg.dtype) == smollm.cfg.replace(
-        scan_layers=parts.cfg.scan_layers, cpu_matmul=parts.cfg.cpu_matmul, cache_dtype=parts.cfg.cache_dtype,
+        scan_layers=parts.cfg.scan_layers, backend=parts.cfg.backend, cache_dtype=parts.cfg.cache_dtype,
         fused_projections=parts.cfg.fused_projections, screened_head=parts.cfg.screened_head,
         cpu_matmul_prefill_xla=parts.cfg.cpu_matmul_prefill_xla)  # load-time settings

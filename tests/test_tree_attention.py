@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hsdjax.config import BACKENDS, ModelConfig, resolve_backend
+from hsdjax.errors import HsdjaxError
 from hsdjax.kernels.tree_attention import (
-    attention_backend,
+    MASKED_SCORE,
     attention_fn,
     tree_attention,
-    tree_attention_auto,
     tree_attention_reference,
 )
 
@@ -145,9 +146,33 @@ def test_rectangular_new_keys(variant):
 
 def test_attention_fn_settings():
     assert attention_fn("reference") is tree_attention_reference
-    assert attention_backend("pallas") == "pallas" and attention_backend("reference") == "reference"
-    with pytest.raises(ValueError, match="auto, reference or pallas"):
-        attention_fn("fast")
+    assert resolve_backend("pallas") == "pallas" and resolve_backend("reference") == "reference"
+    assert resolve_backend("cpu-kernel") == "cpu-kernel"
+    for unresolved in ("auto", "fast"):
+        with pytest.raises(ValueError, match="resolved backend"):
+            attention_fn(unresolved)
+    with pytest.raises(HsdjaxError, match="backend must be one of"):
+        resolve_backend("fast")
+    with pytest.raises(HsdjaxError, match="backend must be one of"):
+        ModelConfig(family="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                    num_kv_heads=1, head_dim=8, backend="fast")
+    assert BACKENDS == ("auto", "reference", "pallas", "cpu-kernel")
+
+
+def test_one_masked_score_in_python_and_cpp():
+    """The masked-score constant is defined once in Python; the C++ kernel's ``kNegInf`` holds the same
+    float32 value (one constexpr, read here from the source)."""
+    import re
+    from pathlib import Path
+
+    import hsdjax.kernels.cpu_attention as cpu_attention
+
+    source = Path(cpu_attention.__file__).with_name("cpu_attention.cc").read_text()
+    defined = re.findall(r"constexpr float kNegInf = ([-+0-9.eE]+)f;", source)
+    assert len(defined) == 1 and np.float32(defined[0]) == np.float32(MASKED_SCORE)
+    code = re.sub(r"//[^\n]*", "", source)  # comments may cite the value
+    assert code.count(defined[0]) == 1 and "INFINITY" not in code and "infinity()" not in code
+    assert np.isfinite(np.float32(MASKED_SCORE))  # an all-masked softmax never computes inf - inf
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,9 +282,9 @@ def test_kernel_property_random_trees(rows, seed, variant):
 
 def test_backend_dispatch():
     expected = "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
-    assert attention_backend() == expected
+    assert resolve_backend() == resolve_backend("auto") == expected
     args = make_inputs(2, b=2, t=5, k=1, g=3, s=32, d=8)
-    out = tree_attention_auto(*args, block_s=16)
+    out = attention_fn(resolve_backend())(*args)
     assert_close(out, tree_attention_reference(*args), jnp.float32)
 
 

@@ -42,7 +42,8 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, draft_head, init_net
 from hsdjax.errors import HsdjaxError
-from hsdjax.model import NEG_INF, rms_norm
+from hsdjax.kernels.tree_attention import MASKED_SCORE
+from hsdjax.model import rms_norm
 from hsdjax.weights import flatten
 
 TRAIN_DEFAULTS = {
@@ -77,7 +78,7 @@ def rollout_attention(q: Float[Array, "B T H D"], k_true: Float[Array, "B T K D"
     qg = q.reshape(b, t, kv, h // kv, d)
     scale = 1 / math.sqrt(d)
     ctx = jnp.einsum("btkgd,bskd->bkgts", qg, k_true) * scale
-    ctx = jnp.where(mask[:, None, None], ctx, NEG_INF)
+    ctx = jnp.where(mask[:, None, None], ctx, MASKED_SCORE)
     own = [jnp.einsum("btkgd,btkd->bkgt", qg, k)[..., None] * scale for k in own_k]
     probs = jax.nn.softmax(jnp.concatenate([ctx, *own], axis=-1), axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t], v_true)

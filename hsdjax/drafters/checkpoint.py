@@ -168,6 +168,6 @@ def bind(net: Any, vocab_ids: np.ndarray, params: dict[str, Any], cfg: Any) -> d
     rows = jnp.take(frozen["head_full"], ids, axis=0)
     head = draft_head(rows, net).astype(rows.dtype)
     net = {k: v for k, v in net.items() if k != HEAD_DELTA}
-    if getattr(cfg, "cpu_matmul", False):  # the target runs on the CPU kernel: so does the drafter
+    if cfg.resolved_backend == "cpu-kernel":  # the target runs on the CPU kernels: so does the drafter
         net, head = pack_for_cpu(net, head, params.get("head_panels"), ids)
     return {"net": net, "embed": frozen["embed"], "head": head, "vocab_ids": ids}

@@ -38,8 +38,7 @@ class EagleDrafter(FeatureDrafter):
         states = prompt_states.per_position()  # [B, P, F, E]
         p_len = states.shape[1]
         x = self.verified_inputs(dparams, states, self.prompt_next_tokens(gen, p_len))
-        ctx, last = ingest(self._net(), dparams["net"], init_context(self.cfg, b, s), x, gen.prompt_len,
-                           self.attention, empty=True)
+        ctx, last = ingest(self._net(), dparams["net"], init_context(self.cfg, b, s), x, gen.prompt_len, empty=True)
         return EagleState(ctx=ctx, root_out=last)
 
     def propose(self, dparams, state: EagleState, gen):
@@ -69,7 +68,7 @@ class EagleDrafter(FeatureDrafter):
             lk, lv = lk.at[:, lo: lo + k].set(kk), lv.at[:, lo: lo + k].set(vv)
             own = jnp.zeros((b, k, m), bool).at[:, jnp.arange(k), lo + jnp.arange(k)].set(True)
             mask = parent_anc | own
-            out = attend_and_finish(net, p, state.ctx, x, q, lk, lv, mask, self.attention)
+            out = attend_and_finish(net, p, state.ctx, x, q, lk, lv, mask)
             return logp_of(out), (out, lk, lv, mask)
 
         carry = (state.root_out[:, None, :], *local, jnp.zeros((b, 1, m), bool))
@@ -92,6 +91,6 @@ class EagleDrafter(FeatureDrafter):
         t = fused.shape[1]
         next_tokens = self.path_next_tokens(gen_before, gen_after, t)
         inputs = lambda n: self.verified_inputs(dparams, fused[:, :n], next_tokens[:, :n])  # noqa: E731
-        ctx, last = ingest_path(self._net(), dparams["net"], state.ctx, inputs, count, t, self.attention)
+        ctx, last = ingest_path(self._net(), dparams["net"], state.ctx, inputs, count, t)
         # finished rows ingest nothing (count 0), so their context is unchanged without a copy
         return EagleState(ctx=ctx, root_out=jnp.where(active[:, None], last, state.root_out))

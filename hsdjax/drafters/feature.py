@@ -39,14 +39,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from hsdjax.drafters.base import Drafter, layer_macs
-from hsdjax.drafters.pld import PromptLookupDrafter, check_lengths, fixed_lengths, lookup_by_match
-from hsdjax.kernels.cpu_attention import tree_attention_cpu
+from hsdjax.config import resolve_backend
+from hsdjax.drafters.pld import FIXED_MAX_NGRAM, check_lengths, fixed_lengths, lookup_by_match
 from hsdjax.kernels.cpu_matmul import PANEL, compress_columns, is_compressed, pack, pack_exact, panel_matmul
 from hsdjax.kernels.tree_attention import REFERENCE_BLOCK_S, attention_fn
-from hsdjax.model import apply_rope, rms_norm, rope_tables
+from hsdjax.model import apply_rope, attention_for, rms_norm, rope_tables
 from hsdjax.tree import DraftTree, graft_chain
-
-LOOKUP_MAX_NGRAM = PromptLookupDrafter.max_ngram  # the grafted lookup matches as `pld` does
 
 
 INJECTIONS = ("mlp", "film", "attn")  # hsd's forms of g (``FeatureDrafterNet.inject``)
@@ -103,18 +101,32 @@ def _init(scale: float = 0.02):
     return nn.initializers.normal(stddev=scale)
 
 
-# The network's matrices ([K, N], used as ``x @ w``). With the target on the CPU matmul kernel they are
-# stored as panels ``[N / 32, K, 32]`` (``pack_for_cpu``; bfloat16 where their values are, as a
-# checkpoint's are) and multiplied by the kernel: the drafter's small-M products then run at the
-# kernel's speed instead of XLA's (same values up to the order of additions; the drafter's numbers never
-# change the output, only how much of it is accepted).
+# The network's matrices ([K, N], used as ``x @ w``). With the target on the CPU kernels (backend
+# "cpu-kernel") those whose N is a whole number of panels are stored as panels ``[N / 32, K, 32]``
+# (``pack_for_cpu``; bfloat16 where their values are, as a checkpoint's are) and multiplied by the kernel:
+# the drafter's small-M products then run at the kernel's speed instead of XLA's (same values up to the
+# order of additions; the drafter's numbers never change the output, only how much of it is accepted).
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fuse", "fc", "g_in", "g_out", "g_scale", "g_shift",
             "g_q", "g_o", "lift")
 
 
-def matmul(x: Float[Array, "... K"], w: Any) -> Float[Array, "... N"]:
-    """``x @ w`` for a matrix ``[K, N]``, or through the CPU kernel for its panels ``[N / 32, K, 32]``."""
-    return panel_matmul(x, w) if w.ndim == 3 else x @ w
+def in_panels(backend: str, n: int) -> bool:
+    """Whether a matrix (or the head) of N output columns is stored as panels under a resolved backend:
+    the one rule ``pack_for_cpu`` packs by and the network reads by."""
+    return backend == "cpu-kernel" and n % PANEL == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Matrix:
+    """A network matrix as stored: ``value`` is [K, N], or its panels [N / 32, K, 32] when ``panels``."""
+
+    value: Any
+    panels: bool
+
+
+def matmul(x: Float[Array, "... K"], w: Matrix) -> Float[Array, "... N"]:
+    """``x @ w``: XLA's dot, or the CPU kernel for a matrix stored as panels."""
+    return panel_matmul(x, w.value) if w.panels else x @ w.value
 
 
 def pack_for_cpu(net: dict[str, Any], head: Float[Array, "V E"], target_head: Any = None,
@@ -130,20 +142,21 @@ def pack_for_cpu(net: dict[str, Any], head: Float[Array, "V E"], target_head: An
 
     def walk(d: dict[str, Any]) -> dict[str, Any]:
         return {k: walk(v) if isinstance(v, dict) else
-                to_panels(v) if k in MATRICES and v.ndim == 2 and v.shape[1] % PANEL == 0 else v
+                to_panels(v) if k in MATRICES and v.ndim == 2 and in_panels("cpu-kernel", v.shape[1]) else v
                 for k, v in d.items()}
-    if head.shape[0] % PANEL:
+    if not in_panels("cpu-kernel", head.shape[0]):
         return walk(net), head
     head_t = jnp.asarray(head, jnp.float32).T
     packed = compress_columns(target_head, vocab_ids, head_t) if lean and vocab_ids is not None else None
     return walk(net), to_panels(head_t) if packed is None else packed
 
 
-def _matrix(mod: nn.Module, name: str, init: Any, shape: tuple[int, int]) -> Any:
-    """A matrix parameter; packed panels (``pack_for_cpu``) are taken as they are (no shape check)."""
+def _matrix(mod: nn.Module, name: str, init: Any, shape: tuple[int, int]) -> Matrix:
+    """A matrix parameter [K, N], stored as panels where ``mod.backend`` says so (``in_panels``; the
+    panels of ``pack_for_cpu`` are taken as they are, with no shape check)."""
     if not mod.is_initializing() and mod.has_variable("params", name):
-        return mod.get_variable("params", name)
-    return mod.param(name, init, shape)
+        return Matrix(mod.get_variable("params", name), in_panels(mod.backend, shape[1]))
+    return Matrix(mod.param(name, init, shape), False)
 
 
 class DraftLayer(nn.Module):
@@ -151,6 +164,7 @@ class DraftLayer(nn.Module):
     same weights serve training rollouts, cached inference and tree attention."""
 
     cfg: FeatureConfig
+    backend: str = "reference"  # resolved (``FeatureDrafterNet.backend``)
 
     def setup(self):
         c = self.cfg
@@ -219,6 +233,7 @@ class ChainOutput(nn.Module):
     depth 1; the first draft keeps the network's, so each is trained for one kind of state."""
 
     cfg: FeatureConfig
+    backend: str = "reference"
 
     @nn.compact
     def __call__(self) -> dict[str, Any]:
@@ -226,9 +241,12 @@ class ChainOutput(nn.Module):
 
 
 class FeatureDrafterNet(nn.Module):
-    """Parameters and pieces of a feature drafter; the drafters call its methods via ``apply``."""
+    """Parameters and pieces of a feature drafter; the drafters call its methods via ``apply``.
+    ``backend``: the target's, resolved (``ModelConfig.resolved_backend``; training builds the network
+    with the default): with "cpu-kernel" its matrices and head are panels (``pack_for_cpu``)."""
 
     cfg: FeatureConfig
+    backend: str = "reference"
 
     def setup(self):
         c = self.cfg
@@ -238,11 +256,11 @@ class FeatureDrafterNet(nn.Module):
         self.side = output_side(self, c)
         if c.narrow:
             self.lift = _matrix(self, "lift", _init(), (w, e))
-        self.layer = DraftLayer(c)
+        self.layer = DraftLayer(c, self.backend)
         if c.chain_layer:
-            self.chain = DraftLayer(c)
+            self.chain = DraftLayer(c, self.backend)
         if c.chain_g:
-            self.chain_output = ChainOutput(c)
+            self.chain_output = ChainOutput(c, self.backend)
         if c.token_input:
             self.fc = _matrix(self, "fc", _init(), (w + e, w))
 
@@ -317,7 +335,7 @@ class FeatureDrafterNet(nn.Module):
     def logits(self, state: Float[Array, "... W"], head: Any, chain: bool = False) -> Float[Array, "... V"]:
         """Draft-vocabulary logits through the target's frozen head rows (``chain``: see ``inject``)."""
         y = rms_norm(self.to_target(state), self._side(chain)["out_norm"], self.cfg.eps)
-        if head.ndim == 3:  # the panels of head.T (``pack_for_cpu``)
+        if in_panels(self.backend, self.cfg.vocab):  # the panels of head.T (``pack_for_cpu``)
             return panel_matmul(y, head)
         return jnp.einsum("...e,ve->...v", y, head, preferred_element_type=jnp.float32)
 
@@ -372,15 +390,11 @@ def init_context(cfg: FeatureConfig, batch: int, size: int) -> dict[str, Array]:
             "len": jnp.zeros((batch,), jnp.int32)}
 
 
-def ingest_attention(setting: str, params: Any):
-    """The attention of an ingest (new inputs over the context cache plus themselves, causally): the C++
-    kernel's (``cpu_attention``) when the drafter's matrices are packed for the CPU kernels (so their
-    library is loaded) and the setting is "auto", else ``attention_fn(setting)``. The kernel reads only
-    the filled slots and needs no loop over the cache in the program, which made XLA copy the whole
-    cache every round (the loop carried it while the ingest then wrote into it)."""
-    if setting == "auto" and params["layer"]["wq"].ndim == 3:
-        return tree_attention_cpu
-    return attention_fn(setting)
+def local_attention(backend: str):
+    """The attention of the drafter's own steps (tree nodes and chain states over the context plus their
+    local keys) and of the ``attn`` injection's context read, under a resolved backend: ``attention_fn``'s,
+    the jnp reference under "cpu-kernel" (only the ingest goes through the C++ kernel)."""
+    return attention_fn("reference" if backend == "cpu-kernel" else backend)
 
 
 def _project_inputs(net: FeatureDrafterNet, params: Any, x: Float[Array, "B T W"], start: Int[Array, " B"]):
@@ -405,19 +419,21 @@ def _append(ctx: dict[str, Array], k: Float[Array, "B T K D"], v: Float[Array, "
 
 
 def _attend_last(net: FeatureDrafterNet, params: Any, cache_k, cache_v, start: Int[Array, " B"], x, q, k, v,
-                 count: Int[Array, " B"], attention: str) -> Float[Array, "B E"]:
+                 count: Int[Array, " B"]) -> Float[Array, "B E"]:
     """The layer's output at each row's last new input: the new inputs attend to the cache below
-    ``start`` (None: no cache) and causally to each other, then the rest of the layer."""
+    ``start`` (None: no cache) and causally to each other, then the rest of the layer. Under "cpu-kernel"
+    the attention is the C++ kernel's (``attention_for``): it reads only the filled slots and needs no
+    loop over the cache in the program, which made XLA copy the whole cache every round (the loop carried
+    it while the ingest then wrote into it)."""
     b, t = x.shape[:2]
     causal = jnp.broadcast_to(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], (b, t, t))
-    attn = ingest_attention(attention, params)(q, cache_k, cache_v, start, k, v, causal)
+    attn = attention_for(net.backend)(q, cache_k, cache_v, start, k, v, causal)
     out = net.apply({"params": params}, x, attn, method=FeatureDrafterNet.finish)
     return jnp.take_along_axis(out, jnp.clip(count - 1, 0, t - 1)[:, None, None], axis=1)[:, 0]
 
 
 def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
-           count: Int[Array, " B"], attention: str = "auto", empty: bool = False
-           ) -> tuple[dict[str, Array], Float[Array, "B E"]]:
+           count: Int[Array, " B"], empty: bool = False) -> tuple[dict[str, Array], Float[Array, "B E"]]:
     """Run the drafter layer over ``count`` new verified inputs per row (positions ``ctx["len"]`` ...),
     append their keys/values to the context cache, and return the output at the last one (the
     prediction for the next position). Rows with ``count`` 0 are unchanged (their output is junk).
@@ -429,14 +445,14 @@ def ingest(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[
     q, k, v = _project_inputs(net, params, x, start)
     new_ctx = _append(ctx, k, v, count)
     cache_k, cache_v = (None, None) if empty else (new_ctx["k"], new_ctx["v"])
-    return new_ctx, _attend_last(net, params, cache_k, cache_v, start, x, q, k, v, count, attention)
+    return new_ctx, _attend_last(net, params, cache_k, cache_v, start, x, q, k, v, count)
 
 
 INGEST_TIERS = (2, 4)  # path lengths an ingest runs at below the longest (most rounds accept a few tokens)
 
 
 def ingest_path(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], inputs: Callable[[int], Array],
-                count: Int[Array, " B"], size: int, attention: str = "auto") -> tuple[dict[str, Array], Float[Array, "B E"]]:
+                count: Int[Array, " B"], size: int) -> tuple[dict[str, Array], Float[Array, "B E"]]:
     """``ingest`` of a verified path of up to ``size`` positions, computed at the smallest of
     ``INGEST_TIERS`` (and ``size``) that holds every row's ``count``: ``inputs(n)`` builds the layer
     inputs [B, n, W] of the path's first n positions, so a round that accepted one token fuses and
@@ -444,7 +460,7 @@ def ingest_path(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], inpu
     outside the switch and read inside it, so XLA need not copy it."""
     sizes = sorted({n for n in INGEST_TIERS if n < size} | {size})
     if len(sizes) == 1:
-        return ingest(net, params, ctx, inputs(size), count, attention)
+        return ingest(net, params, ctx, inputs(size), count)
     start = ctx["len"]
     tier = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.max(count).astype(jnp.int32))
 
@@ -457,8 +473,7 @@ def ingest_path(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], inpu
     new_ctx = _append(ctx, k, v, count)
 
     def attend(n, cache_k, cache_v):
-        return _attend_last(net, params, cache_k, cache_v, start, x[:, :n], q[:, :n], k[:, :n], v[:, :n], count,
-                            attention)
+        return _attend_last(net, params, cache_k, cache_v, start, x[:, :n], q[:, :n], k[:, :n], v[:, :n], count)
 
     branches = [lambda ck, cv, n=n: attend(n, ck, cv) for n in sizes]
     return new_ctx, jax.lax.switch(tier, branches, new_ctx["k"], new_ctx["v"])
@@ -466,22 +481,21 @@ def ingest_path(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], inpu
 
 def attend_and_finish(net: FeatureDrafterNet, params: Any, ctx: dict[str, Array], x: Float[Array, "B T E"],
                       q: Float[Array, "B T H D"], local_k: Float[Array, "B M K D"], local_v: Float[Array, "B M K D"],
-                      local_mask: Bool[Array, "B T M"], attention: str = "auto", chain: bool = False
-                      ) -> Float[Array, "B T E"]:
+                      local_mask: Bool[Array, "B T M"], chain: bool = False) -> Float[Array, "B T E"]:
     """New inputs ``x`` (queries ``q``) attend to the verified context (its filled part only) plus the
     local keys their mask allows (chain states, or tree ancestors and themselves); then the rest of
     the layer (``chain``: of the chain's layer, ``FeatureDrafterNet.chain_finish``)."""
-    attn = attention_fn(attention)(q, ctx["k"], ctx["v"], ctx["len"], local_k, local_v, local_mask)
+    attn = local_attention(net.backend)(q, ctx["k"], ctx["v"], ctx["len"], local_k, local_v, local_mask)
     finish = FeatureDrafterNet.chain_finish if chain else FeatureDrafterNet.finish
     return net.apply({"params": params}, x, attn, method=finish)
 
 
-def context_read(q: Float[Array, "B T H D"], ctx: dict[str, Array], attention: str = "auto") -> Float[Array, "B T H D"]:
+def context_read(q: Float[Array, "B T H D"], ctx: dict[str, Array], backend: str) -> Float[Array, "B T H D"]:
     """Queries ``q`` attend to the verified context alone (the ``attn`` injection's read): one local
     slot of zeros, masked out, stands for the local keys the attention functions expect."""
     b, t = q.shape[:2]
     none = jnp.zeros((b, 1, ctx["k"].shape[1], ctx["k"].shape[3]), jnp.float32)
-    return attention_fn(attention)(q, ctx["k"], ctx["v"], ctx["len"], none, none, jnp.zeros((b, t, 1), bool))
+    return local_attention(backend)(q, ctx["k"], ctx["v"], ctx["len"], none, none, jnp.zeros((b, t, 1), bool))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,7 +514,7 @@ class FeatureDrafter(Drafter):
     budget: int = 5  # nodes verified besides the root
     min_prob: float = 0.0
     grow_prob: float = 0.0  # nodes beyond the most likely one need this cumulative probability (0: off)
-    attention: str = "auto"  # drafter attention backend (hsdjax.kernels.tree_attention.attention_fn)
+    backend: str = "auto"  # the target's ``ModelConfig.backend`` (set by ``make_drafter``; ``config.BACKENDS``)
     lookup: int = 0  # tokens of a prompt-lookup continuation grafted onto each tree (0: none)
     lookup_ngram: int = 2  # shortest n-gram match that proposes a continuation (1 grafts weak guesses too often)
     lookup_lengths: tuple[int, ...] = ()  # graft length by match length (1, 2, ... tokens); replaces the two above
@@ -511,7 +525,7 @@ class FeatureDrafter(Drafter):
             check_lengths(lengths)
             object.__setattr__(self, "lookup", max(lengths))
         elif self.lookup:
-            lengths = fixed_lengths(self.lookup, self.lookup_ngram, max(LOOKUP_MAX_NGRAM, self.lookup_ngram))
+            lengths = fixed_lengths(self.lookup, self.lookup_ngram, max(FIXED_MAX_NGRAM, self.lookup_ngram))
         object.__setattr__(self, "lookup_lengths", lengths)
         object.__setattr__(self, "num_nodes", 1 + self.depth * self.width + self.lookup)
         object.__setattr__(self, "max_depth", max(self.depth, self.lookup))
@@ -538,8 +552,13 @@ class FeatureDrafter(Drafter):
         chains, lengths = lookup_by_match(gen.seq, gen.seq_len, 1, self.lookup_lengths)
         return graft_chain(tree, chains[:, 0], lengths[:, 0])
 
+    @property
+    def resolved_backend(self) -> str:
+        """``backend`` as it runs here (``hsdjax.config.resolve_backend``)."""
+        return resolve_backend(self.backend)
+
     def _net(self) -> FeatureDrafterNet:
-        return FeatureDrafterNet(self.cfg)
+        return FeatureDrafterNet(self.cfg, self.resolved_backend)
 
     # -- the layer inputs of verified positions (the context the ingest passes add)
     def verified_inputs(self, dparams, fused: Float[Array, "B T F E"], next_tokens: Int[Array, "B T"]

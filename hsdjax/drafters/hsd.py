@@ -60,8 +60,7 @@ class HSDDrafter(FeatureDrafter):
         c = self.cfg
         states = prompt_states.per_position()  # [B, P, F, E]
         x = self.verified_inputs(dparams, states, self.prompt_next_tokens(gen, states.shape[1]))
-        ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len, self.attention,
-                           empty=True)
+        ctx, first = ingest(self._net(), dparams["net"], init_context(c, b, s), x, gen.prompt_len, empty=True)
         size = self.chain_size
         return HSDState(
             ctx=ctx, chain=jnp.zeros((b, size, c.state_width), jnp.float32).at[:, 0].set(first),
@@ -86,7 +85,7 @@ class HSDDrafter(FeatureDrafter):
         ck = st.chain_k.at[:, j].set(k[:, 0])
         cv = st.chain_v.at[:, j].set(v[:, 0])
         local_mask = (jnp.arange(ck.shape[1]) <= j)[None, None, :].repeat(b, 0)
-        out = attend_and_finish(net, p, ctx, x, q, ck, cv, local_mask, self.attention, chain=True)[:, 0]
+        out = attend_and_finish(net, p, ctx, x, q, ck, cv, local_mask, chain=True)[:, 0]
         need = st.n_chain == j + 1
         return st.replace(
             chain=jnp.where(need[:, None, None], st.chain.at[:, j + 1].set(out), st.chain),
@@ -124,7 +123,7 @@ class HSDDrafter(FeatureDrafter):
             if self.cfg.injection == "attn":  # the tokens sit at position ctx.len + d (chain[d]'s)
                 pos = jnp.broadcast_to((state.ctx["len"] + d)[:, None], tokens.shape)
                 q = net.apply({"params": p}, s, embs, pos, chain, method=FeatureDrafterNet.inject_query)
-                context = context_read(q, state.ctx, self.attention)
+                context = context_read(q, state.ctx, net.backend)
             g = net.apply({"params": p}, s, embs, context, chain, method=FeatureDrafterNet.inject)
             return jax.nn.log_softmax(net.apply({"params": p}, g, head, chain, method=FeatureDrafterNet.logits),
                                       axis=-1)
@@ -167,7 +166,7 @@ class HSDDrafter(FeatureDrafter):
         fused = path_states.per_position()  # [B, P, F, E]
         next_tokens = self.path_next_tokens(gen_before, gen_after, fused.shape[1])
         inputs = lambda n: self.verified_inputs(dparams, fused[:, :n], next_tokens[:, :n])  # noqa: E731
-        ctx, fresh_state = ingest_path(net, p, state.ctx, inputs, count, fused.shape[1], self.attention)
+        ctx, fresh_state = ingest_path(net, p, state.ctx, inputs, count, fused.shape[1])
         # shift the chain by the advance; the fresh ingest output replaces the kept guess for the root
         size = state.chain.shape[1]
         idx = jnp.arange(size)[None, :] + count[:, None]

@@ -21,13 +21,20 @@ from jaxtyping import Array, Int
 from hsdjax.drafters.base import DraftCost, Drafter
 from hsdjax.tree import chains_to_tree
 
+# Two different caps on n, the number of a row's newest tokens a lookup matches:
+FIXED_MAX_NGRAM = 3  # with one fixed continuation length (no table), matches of up to 3 tokens are sought:
+#                      `pld`'s default ``max_ngram``, hsd / eagle's grafted lookup (``lookup`` / ``lookup_ngram``)
+#                      and the largest ``--lookup-ngram`` the command line takes
+TABLE_MAX_NGRAM = 8  # the longest match a chain-length table (``lengths``, ``--lookup-lengths``) may name: the
+#                      most entries the option takes (checked by ``hsdjax.methods.parse_lookup_lengths``)
+
 
 @dataclasses.dataclass(frozen=True)
 class PromptLookupDrafter(Drafter):
     name: str = "pld"
     width: int = 2  # candidate continuations per round
     depth: int = 6  # tokens per continuation
-    max_ngram: int = 3
+    max_ngram: int = FIXED_MAX_NGRAM
     min_ngram: int = 2
     lengths: tuple[int, ...] = ()  # chain length by match length (1, 2, ... tokens); (): ``depth`` from min_ngram
 
