@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 
 import jax
 import pytest
@@ -14,6 +15,36 @@ from hsdjax.model import init_params
 
 jax.config.update("jax_enable_x64", False)
 enable_compilation_cache()
+
+
+def _load_hypothesis_profile() -> None:
+    """Hypothesis runs derandomized by default ("ci": the same examples every run, so a failure replays
+    exactly); ``HYPOTHESIS_PROFILE=explore`` draws fresh examples from a seed the report header prints
+    (``HYPOTHESIS_SEED`` or ``--hypothesis-seed`` replays it). Either prints a failure's reproduction
+    blob and has no deadline (a loaded machine must not fail a test by its speed)."""
+    import random
+
+    from hypothesis import core, settings
+
+    settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)
+    settings.register_profile("explore", derandomize=False, print_blob=True, deadline=None)
+    name = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    settings.load_profile(name)
+    if not settings.default.derandomize and core.global_force_seed is None:
+        core.global_force_seed = int(os.environ.get("HYPOTHESIS_SEED") or random.SystemRandom().randrange(2**32))
+
+
+def _hypothesis_header() -> str:
+    from hypothesis import core, settings
+
+    name = settings.get_current_profile_name()
+    if settings.default.derandomize:
+        return f"hypothesis: profile {name!r}, derandomized (HYPOTHESIS_PROFILE=explore draws fresh examples)"
+    seed = core.global_force_seed
+    return f"hypothesis: profile {name!r}, seed {seed} (replay: HYPOTHESIS_PROFILE={name} HYPOTHESIS_SEED={seed})"
+
+
+_load_hypothesis_profile()
 
 
 MAPS_BEFORE_RELEASE = 25_000  # well under Linux's default limit of 65,530 (one test may add ~20,000)
@@ -63,12 +94,111 @@ def smollm():
     """The real default model (installed by `make test`)."""
     from hsdjax.api import load_model
 
-    return load_model("smollm2-135m")
+    model = load_model("smollm2-135m")
+    record_path("CPU kernel" if model.backend.get("path") == "cpu-kernel" else "XLA matmul", "real model (auto)")
+    return model
+
+
+# ------------------------------------------------------------------ the paths a run exercised, and the kernels
+# One line at the end of the run names them (``pytest_terminal_summary``): what a green run checked depends
+# on the machine (compiler, instruction set, emulators), so it says so. Fixtures and tests record a path
+# when they run it (``record_path``), or why they could not (``record_missed``); a test marked
+# ``@pytest.mark.exercises(path, detail)`` records it when it passes.
+PATHS_RUN: dict[str, list[str]] = {}
+PATHS_MISSED: dict[str, str] = {}
+PASSED_TESTS_EXERCISE = {  # node id prefix -> (path, detail), for files that do not record their own
+    "tests/test_tree_attention.py::test_kernel": ("Pallas tree attention", "interpret mode"),
+}
+REQUIRE_KERNEL_ENV = "HSDJAX_REQUIRE_CPU_KERNEL"  # "1" (set by `make test` where a compiler exists): no skip
+
+
+def record_path(path: str, detail: str | None = None) -> None:
+    details = PATHS_RUN.setdefault(path, [])
+    if detail and detail not in details:
+        details.append(detail)
+
+
+def record_missed(path: str, why: str) -> None:
+    PATHS_MISSED.setdefault(path, why)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "exercises(path, detail): the path a test runs, named in the run's summary")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.when == "call" and report.passed:
+        for mark in item.iter_markers("exercises"):
+            record_path(*mark.args)
+        for prefix, (path, detail) in PASSED_TESTS_EXERCISE.items():
+            if item.nodeid.startswith(prefix):
+                record_path(path, detail)
+
+
+def pytest_terminal_summary(terminalreporter):
+    ran = "; ".join(f"{p} ({', '.join(d)})" if d else p for p, d in PATHS_RUN.items()) or "none recorded"
+    missed = "; ".join(f"{p} ({why})" for p, why in PATHS_MISSED.items() if p not in PATHS_RUN)
+    terminalreporter.write_line(f"paths exercised: {ran}" + (f" | not exercised: {missed}" if missed else ""))
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler the kernels' builds use: ``$CXX``, else g++, else c++ (None: none)."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def no_compiler(what: str) -> None:
+    """Skip (no C++ compiler here), or fail when ``make test`` found one and asked for the kernels."""
+    why = f"no C++ compiler (install g++ or set CXX): {what} cannot be built here"
+    if os.environ.get(REQUIRE_KERNEL_ENV) == "1":
+        pytest.fail(f"{REQUIRE_KERNEL_ENV}=1 (`make test` found a compiler), but {why}", pytrace=False)
+    record_missed("CPU kernel", "no C++ compiler")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel() -> str:
+    """hsdjax's CPU kernels, built here if they are not yet (with ``$CXX``, as ``hsdjax cpu-matmul build``)
+    and loaded: their instruction set. Skips only where no compiler exists (fails with
+    ``HSDJAX_REQUIRE_CPU_KERNEL=1``); a failed build or load fails."""
+    from hsdjax.kernels import cpu_matmul
+
+    if not cpu_matmul.is_built():
+        if not cxx_compiler():
+            no_compiler("hsdjax's CPU kernels")
+        try:
+            cpu_matmul.build()
+        except cpu_matmul.CpuMatmulError as exc:
+            pytest.fail(f"building hsdjax's CPU kernels with {cxx_compiler()} failed: {exc}", pytrace=False)
+    if not cpu_matmul.load():
+        pytest.fail(f"hsdjax's CPU kernels were built but {cpu_matmul.library_path()} does not load", pytrace=False)
+    isa = cpu_matmul.instruction_set()
+    record_path("CPU kernel", isa)
+    return isa
+
+
+@pytest.fixture(scope="session")
+def smollm_xla():
+    """The real default model through XLA's dot (what GPU / TPU users and CPUs without a compiler get),
+    its layers under ``lax.scan`` (the GPU / TPU layer loop; half the unrolled loop's compile time)."""
+    from hsdjax.api import load_model
+
+    return load_model("smollm2-135m", cpu_matmul="off", layer_loop="scan")
+
+
+@pytest.fixture(scope="session")
+def smollm_kernel(cpu_kernel):
+    """The real default model through hsdjax's CPU kernels (``cpu_matmul="on"``: whatever ``auto``
+    measured), layers unrolled as ``load_model`` runs them on a CPU."""
+    from hsdjax.api import load_model
+
+    return load_model("smollm2-135m", cpu_matmul="on")
 
 
 def pytest_report_header(config):
-    return f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} devices); " \
-           f"HSDJAX_HOME={os.environ.get('HSDJAX_HOME', '~/.cache/hsdjax')}"
+    return [f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} devices); "
+            f"HSDJAX_HOME={os.environ.get('HSDJAX_HOME', '~/.cache/hsdjax')}", _hypothesis_header()]
 
 
 def chi2_pvalue(counts, probs) -> float:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,3 +211,241 @@ def test_argmax_last_equals_jnp_argmax(data, v, style, seed):
     got = jax.jit(sampling.argmax_last)(x)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
+
+
+# ----------------------------------------------------------------------------- tree verification, top-k and top-p on
+# The first three tokens of 6-token random-model rows (one from the prefill, then tree rounds) against their exact
+# joint; the filters are the sampler's own (temperature -> top-k -> top-p), recomputed in float64. The sharpened
+# weights make the distributions neither flat nor one-hot, and at these settings top-k cuts every row (6 -> 4)
+# while top-p cuts further in some (``test_tree_statistics_exercise_both_filters``).
+TREE_TEMPERATURE, TREE_TOP_K, TREE_TOP_P = 1.0, 4, 0.9
+TREE_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+# 8,192 rows per method in calls of 64 rows: the programs test_spec's and test_feature_drafters' sampling tests
+# compile (same model, prompt, drafters and batch; the filters are arrays), so the suite compiles nothing more
+TREE_BATCH, TREE_CALLS = 64, 128
+
+
+def filtered_probs64(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The sampler's target distribution of each row in float64: ``adjust_logits_reference``'s rule
+    (top-k over the temperature-scaled logits, then the smallest prefix of the top-k-renormalised
+    distribution whose mass before each kept token is < top_p; every token tied with the cut-off kept)."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    out = np.zeros_like(scaled)
+    for r, row in enumerate(scaled):
+        ordered = np.sort(row)[::-1]
+        k = min(top_k, len(row)) if top_k > 0 else len(row)
+        ordered[k:] = -np.inf
+        w = np.exp(ordered - ordered[0])
+        w /= w.sum()
+        before = np.cumsum(w) - w
+        n_keep = int(np.sum((before < top_p) | (np.arange(len(row)) == 0))) if top_p < 1 else k
+        kept = np.where(row >= ordered[min(n_keep, k) - 1], row, -np.inf)
+        e = np.exp(kept - kept.max())
+        out[r] = e / e.sum()
+    return out
+
+
+@functools.cache
+def _tree_target():
+    """(every 2-token continuation of the prompt [V*V, 2], the logits after 0, 1 and 2 of its tokens
+    [V*V, 3, V]) from one uncached pass of the 6-token model."""
+    from tests.test_spec import SMALL, sharp_params
+
+    from hsdjax.model import Transformer, causal_mask
+
+    v, p = SMALL.vocab_size, len(TREE_PROMPT)
+    seqs = np.array([TREE_PROMPT + list(c) for c in itertools.product(range(v), repeat=2)], np.int32)
+    model = Transformer(SMALL)
+
+    @jax.jit
+    def logits_of(params, seqs):
+        t = seqs.shape[1]
+        out = model.apply({"params": params}, seqs, jnp.broadcast_to(jnp.arange(t), seqs.shape),
+                          causal_mask(jnp.full((seqs.shape[0],), t), t))
+        return model.apply({"params": params}, out["hidden"], method=Transformer.logits)
+
+    return seqs[:, p:], np.asarray(logits_of(sharp_params(3), jnp.asarray(seqs)))[:, p - 1:]
+
+
+def exact_tree_joint() -> np.ndarray:
+    """The exact float64 joint [V, V, V] of the first three sampled tokens (the sampler's filters on)."""
+    conts, logits = _tree_target()
+    v = logits.shape[-1]
+    probs = filtered_probs64(logits.reshape(-1, v), TREE_TEMPERATURE, TREE_TOP_K, TREE_TOP_P).reshape(logits.shape)
+    # the float32 sampler must keep the same tokens (no cumulative mass within rounding of top_p here)
+    sp = SamplingParams.make(logits.shape[0] * 3, TREE_TEMPERATURE, TREE_TOP_K, TREE_TOP_P)
+    np.testing.assert_array_equal(np.asarray(target_probs(jnp.asarray(logits.reshape(-1, v)), sp)) > 0,
+                                  probs.reshape(-1, v) > 0)
+    joint = np.zeros((v, v, v))
+    for (a, b), pr in zip(conts, probs):
+        joint[a, b] = pr[0, a] * pr[1, b] * pr[2]
+    return joint
+
+
+def sample_tree_joint(drafter, dparams, n_calls: int = TREE_CALLS) -> np.ndarray:
+    """Counts [V, V, V] of the first three tokens of ``n_calls`` x ``TREE_BATCH`` rows through the engine."""
+    from tests.conftest import run_engine
+    from tests.test_spec import SMALL, sharp_params
+
+    params = sharp_params(3)
+    v = SMALL.vocab_size
+    counts = np.zeros(v ** 3, np.int64)
+    for s in range(n_calls):
+        rows = np.array(run_engine(SMALL, params, [TREE_PROMPT] * TREE_BATCH, 3, drafter=drafter, dparams=dparams,
+                                   temperature=TREE_TEMPERATURE, top_k=TREE_TOP_K, top_p=TREE_TOP_P,
+                                   seed=5000 + s))[:, :3]
+        counts += np.bincount(np.ravel_multi_index(rows.T, (v, v, v)), minlength=v ** 3)
+    return counts.reshape(v, v, v)
+
+
+def tree_pvalue(counts: np.ndarray, joint: np.ndarray, min_expected: float = 5.0) -> float:
+    """Chi-square of ``counts`` against ``joint``, cells expecting fewer than ``min_expected`` pooled; 0
+    when a draw fell where the target has probability 0 (impossible under the target)."""
+    from tests.conftest import chi2_pvalue
+
+    counts, probs = counts.ravel().astype(np.float64), joint.ravel() / joint.sum()
+    if counts[probs <= 0].sum():
+        return 0.0
+    small = probs * counts.sum() < min_expected
+    return chi2_pvalue(np.append(counts[~small], counts[small].sum()), np.append(probs[~small], probs[small].sum()))
+
+
+def tree_drafter(method: str):
+    """The method's drafter over the 6-token model: pld (a 2-wide, 3-deep lookup trie; it has drafts when
+    the first token is 3), and random hsd / eagle drafters (a tree of 4 nodes, depth 2, every round)."""
+    from hsdjax.drafters import PromptLookupDrafter
+
+    if method == "pld":
+        return PromptLookupDrafter(width=2, depth=3), ()
+    from tests.test_feature_drafters import feature_drafter
+    from tests.test_spec import SMALL, sharp_params
+
+    return feature_drafter(SMALL, sharp_params(3), method, seed=2, vocab=6, depth=2, width=2, budget=4, lookup=0)
+
+
+@pytest.fixture(scope="module")
+def tree_joint():
+    return exact_tree_joint()
+
+
+def test_tree_statistics_exercise_both_filters():
+    """At the test's settings top-k removes tokens from every row and top-p removes more from some: a
+    sampler that ignored either filter would draw tokens the exact joint gives probability 0."""
+    _, logits = _tree_target()
+    rows = logits.reshape(-1, logits.shape[-1])
+    kept_k = (filtered_probs64(rows, TREE_TEMPERATURE, TREE_TOP_K, 1.0) > 0).sum(1)
+    kept_both = (filtered_probs64(rows, TREE_TEMPERATURE, TREE_TOP_K, TREE_TOP_P) > 0).sum(1)
+    assert (kept_k < rows.shape[1]).all()
+    assert (kept_both < kept_k).mean() > 0.2
+
+
+@pytest.mark.parametrize("method", ["pld", "hsd", "eagle"])
+def test_tree_sampling_with_top_k_and_top_p_matches_the_target(method, tree_joint):
+    """The tree rule (``verify.draw_node_tokens`` + ``accept_tree``, what pld, hsd and eagle verify with)
+    through the engine, with temperature, top-k and top-p on: the first three tokens follow the exact
+    joint (fixed seeds: the p-value is the same every run)."""
+    drafter, dparams = tree_drafter(method)
+    assert tree_pvalue(sample_tree_joint(drafter, dparams), tree_joint) > 1e-3
+
+
+def _shared_node_keys(keys, n):
+    """Broken: every node draws with its row's one key, so the draws along a path are correlated (each
+    node's own draw still follows its target: only the joint shows it)."""
+    return jnp.broadcast_to(keys[:, None, :], (keys.shape[0], n, keys.shape[-1]))
+
+
+def _accept_without_ancestors(y, tree, max_depth):
+    """Broken ``verify.accept_tree``: a node whose token equals its parent's draw is accepted even when
+    the parent itself was rejected."""
+    from hsdjax.verify import Verdict, _path_to
+
+    parent = jnp.maximum(tree.parents, 0)
+    match = tree.valid & (tree.parents >= 0) & (tree.tokens == jnp.take_along_axis(y, parent, axis=1))
+    accepted = (jnp.arange(y.shape[1])[None, :] == 0) | match
+    deepest = jnp.argmax(jnp.where(accepted, tree.depth, -1), axis=1)
+    depth = jnp.take_along_axis(tree.depth, deepest[:, None], axis=1)[:, 0]
+    return Verdict(path=_path_to(tree, deepest, max_depth), n_path=depth + 1,
+                   bonus=jnp.take_along_axis(y, deepest[:, None], axis=1)[:, 0])
+
+
+@pytest.mark.parametrize("bug", ["shared_node_keys", "accept_without_ancestors"])
+def test_tree_statistics_catch_a_broken_tree_rule(bug, tree_joint, monkeypatch):
+    """Negative controls: the engine's tree rule broken in place (hsd's trees, the same settings, 1,024
+    rows, fixed seeds) must fail the same statistic with p < 1e-6 (measured: 6e-45 and 0; the real rule
+    gives 0.23 / 0.40 / 0.18 for pld / hsd / eagle on 8,192 rows). Power: the shared-key bug moves the
+    joint by Cohen's w^2 ~ 0.28 (measured on 8,192 rows), a noncentrality of ~290 at 1,024 rows over 30
+    pooled cells, whose p = 1e-6 cut-off is a chi-square of 80: the chance of a miss is ~5e-20 (7e-6 at
+    half the effect). The ancestor bug emits paths the target cannot produce (probability-0 cells)."""
+    from hsdjax import engine, verify
+
+    if bug == "shared_node_keys":
+        monkeypatch.setattr(verify, "node_keys", _shared_node_keys)
+    else:
+        monkeypatch.setattr(engine, "accept_tree", _accept_without_ancestors)
+    drafter, dparams = tree_drafter("hsd")
+    # the same drafter as an instance of a subclass: a static argument no compiled program has seen, so the
+    # decode loop is traced afresh with the broken function, and no program traced without it is dropped or reused
+    broken = copy.copy(drafter)
+    object.__setattr__(broken, "__class__", type(f"HSDDrafterWith_{bug}", (type(drafter),), {}))
+    assert tree_pvalue(sample_tree_joint(broken, dparams, n_calls=16), tree_joint) < 1e-6
+
+
+# ----------------------------------------------------------------------------- the real model's first tokens
+REAL_PROMPT = "My favourite fruit is"
+REAL_TEMPERATURE, REAL_TOP_K, REAL_TOP_P = 0.8, 8, 0.85
+REAL_TRIALS, REAL_CHUNK = 1024, 256  # each chunk draws 256 x 3 x 49,152 Gumbel numbers
+
+
+def test_real_model_tree_draws_follow_its_filtered_distribution(smollm):
+    """SmolLM2-135M's own logits (the whole 49,152-token vocabulary) at a draft tree of the root and the
+    two likeliest next tokens; ``verify.verify_tree`` (the engine's tree rule) with top-k and top-p on,
+    1,024 times with fresh keys. The first emitted token must follow the filtered distribution after the
+    prompt, the second (emitted exactly when the first is a draft) the one after the prompt and that
+    draft, both computed in float64 from the same logits. At these settings the kept set of every node
+    is smaller than top-k alone or top-p alone keeps, so a sampler without either filter fails."""
+    from hsdjax.model import Transformer, causal_mask
+    from hsdjax.tree import DraftTree
+    from hsdjax.verify import verify_tree
+
+    cfg, params = smollm.cfg, smollm.params
+    prompt = smollm.tokenizer.encode(REAL_PROMPT, add_special_tokens=False)
+    model = Transformer(cfg)
+
+    def logits_of(last):  # rows prompt + [t] for t in ``last``: the logits after the prompt and after t
+        seqs = jnp.array([prompt + [t] for t in last], jnp.int32)
+        t = seqs.shape[1]
+        out = model.apply({"params": params}, seqs, jnp.broadcast_to(jnp.arange(t), seqs.shape),
+                          causal_mask(jnp.full((len(seqs),), t), t))
+        return np.asarray(model.apply({"params": params}, out["hidden"][:, -2:], method=Transformer.logits),
+                          np.float32)
+
+    root = logits_of([0, 0])[0, 0]
+    drafts = [int(i) for i in np.argsort(-root, kind="stable")[:2]]
+    logits = logits_of(drafts)  # the same shapes: the second eager pass reuses the first's programs
+    logits = np.stack([logits[0, 0], logits[0, 1], logits[1, 1]])  # at the root, after draft 1, after draft 2
+    probs = filtered_probs64(logits, REAL_TEMPERATURE, REAL_TOP_K, REAL_TOP_P)
+    kept = (probs > 0).sum(1)
+    assert (kept > 1).all()
+    assert (kept < (filtered_probs64(logits, REAL_TEMPERATURE, REAL_TOP_K, 1.0) > 0).sum(1)).all()
+    assert (kept < (filtered_probs64(logits, REAL_TEMPERATURE, 0, REAL_TOP_P) > 0).sum(1)).all()
+    tree = DraftTree(tokens=jnp.array([[prompt[-1], *drafts]], jnp.int32), parents=jnp.array([[-1, 0, 0]], jnp.int32),
+                     depth=jnp.array([[0, 1, 1]], jnp.int32), valid=jnp.ones((1, 3), bool))
+
+    @jax.jit
+    def emitted(keys):
+        b = keys.shape[0]
+        rows = jax.tree_util.tree_map(lambda a: jnp.repeat(a, b, axis=0), tree)
+        sp = SamplingParams.make(b, REAL_TEMPERATURE, REAL_TOP_K, REAL_TOP_P)
+        verdict = verify_tree(jnp.broadcast_to(jnp.asarray(logits), (b, *logits.shape)), rows, sp, keys, 1)
+        return verdict.emitted(rows)[:, :2], verdict.n_path
+
+    keys = jax.random.split(jax.random.PRNGKey(7), REAL_TRIALS)
+    out = [emitted(keys[i: i + REAL_CHUNK]) for i in range(0, REAL_TRIALS, REAL_CHUNK)]
+    tokens, n_path = np.concatenate([np.asarray(o[0]) for o in out]), np.concatenate([np.asarray(o[1]) for o in out])
+    first = tokens[:, 0]
+    np.testing.assert_array_equal(n_path == 2, np.isin(first, drafts))  # a second token exactly after a draft
+    assert tree_pvalue(np.bincount(first, minlength=cfg.vocab_size), probs[0]) > 1e-3
+    for i, d in enumerate(drafts):
+        second = tokens[first == d, 1]
+        assert len(second) > 60
+        assert tree_pvalue(np.bincount(second, minlength=cfg.vocab_size), probs[1 + i]) > 1e-3

@@ -209,8 +209,10 @@ def test_large_allowed_body_does_not_stall_the_server(srv, http, monkeypatch):
     """A body just under the limit is templated and tokenized in a worker thread, the tokenizer releasing
     the GIL: /health keeps answering while the tokenizer runs. No wall-clock bound: the tokenizer's call
     is timed as it runs, a /health round trip is timed beforehand in this test, and answers must land
-    inside the call at no less than an eighth of the rate the round trip allows (this client shares the
-    server's GIL, so a tokenizer that held it, or a blocked event loop, would let none land)."""
+    inside the call at no less than a fortieth of the rate the round trip allows. This client shares the
+    server's GIL, so a tokenizer that held it (or a blocked event loop) lets almost none land: on the
+    loaded EPYC, ``encode`` in place of ``encode_batch`` let 1 land where 256 were required; the real
+    one let 1,400-1,800 land where 130-210 were (the call lasting 5,000-8,000 round trips)."""
     from hsdjax import tokenizer as tokenizer_module
 
     real, calls = tokenizer_module._encode_texts, []
@@ -234,13 +236,14 @@ def test_large_allowed_body_does_not_stall_the_server(srv, http, monkeypatch):
     answered = []
     while thread.is_alive():
         answered += _health_times(http, 1)
+        time.sleep(round_trip)  # at most half the rate a round trip allows: the tokenizer keeps its core
     thread.join()
     _openai_error(result["resp"], 400, "context_length_exceeded")
     size, start, end = max(calls)  # the 4 MiB prompt's call
     assert size > LIMIT // 2, calls
     inside = sum(start < t < end for t in answered)
-    assert end - start > 20 * round_trip, (end - start, round_trip)  # long enough to tell (a ratio: any machine)
-    assert inside >= (end - start) / (8 * round_trip), (inside, end - start, round_trip)
+    assert end - start > 400 * round_trip, (end - start, round_trip)  # long enough to tell (a ratio: any machine)
+    assert inside >= (end - start) / (40 * round_trip), (inside, end - start, round_trip)
 
 
 def test_a_client_that_stops_sending_its_body_gets_408(srv, http):
