@@ -294,7 +294,7 @@ def test_a_subset_of_columns_compresses_with_the_weights_own_scales(kernel, bits
 def test_packed_model_equals_the_unpacked_one(kernel, tied):
     cfg = PANEL_LLAMA.replace(tie_embeddings=tied)
     params = init_params(cfg, seed=3)
-    packed_cfg = cfg.replace(cpu_matmul=True)
+    packed_cfg = cfg.replace(backend="cpu-kernel")
     packed = cpu_matmul.pack_params(params, tied)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
@@ -309,7 +309,7 @@ def test_packed_model_equals_the_unpacked_one(kernel, tied):
 
 
 def test_speculative_decoding_through_the_kernel_equals_ar(kernel):
-    cfg = PANEL_LLAMA.replace(cpu_matmul=True)
+    cfg = PANEL_LLAMA.replace(backend="cpu-kernel")
     params = cpu_matmul.pack_params(init_params(PANEL_LLAMA, seed=5), True)
     rng = np.random.default_rng(2)
     motif = rng.integers(0, cfg.vocab_size, 6).tolist()
@@ -340,7 +340,7 @@ def test_speculative_decoding_with_bf16x_int8x_or_int16x_activations_equals_ar(k
     packed = cpu_matmul.pack_params(params, True)
     assert all(cpu_matmul.is_compressed(packed["layers"][k]) for k in ("wq", "wk", "w_up", "w_down"))
     assert cpu_matmul.is_compressed(packed["head_panels"])
-    cfg = PANEL_LLAMA.replace(cpu_matmul=True, cpu_matmul_activations=activations)
+    cfg = PANEL_LLAMA.replace(backend="cpu-kernel", cpu_matmul_activations=activations)
     motif = rng.integers(0, cfg.vocab_size, 6).tolist()
     prompts = [motif * 3 + rng.integers(0, cfg.vocab_size, 4).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
     want = run_engine(cfg, packed, prompts, 24)
@@ -411,7 +411,7 @@ def test_speculative_decoding_with_the_screened_head_equals_ar(kernel):
     packed = cpu_matmul.pack_params(params, True)
     assert cpu_matmul.can_screen(packed["head_panels"])
     screened = {**packed, "head_colabs": jnp.asarray(cpu_matmul.column_abs_sums(packed["head_panels"]))}
-    cfg = PANEL_LLAMA.replace(cpu_matmul=True)
+    cfg = PANEL_LLAMA.replace(backend="cpu-kernel")
     motif = rng.integers(0, cfg.vocab_size, 6).tolist()
     prompts = [motif * 3 + rng.integers(0, cfg.vocab_size, 4).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
     want = run_engine(cfg, packed, prompts, 24)
@@ -429,7 +429,7 @@ def test_recording_through_the_kernel_head_equals_a_teacher_forced_pass(kernel):
     from hsdjax.api import LoadedModel
     from hsdjax.train.datagen import flatten_recorded, fused_layer_indices, recording_drafter
 
-    cfg = PANEL_LLAMA.replace(cpu_matmul=True)
+    cfg = PANEL_LLAMA.replace(backend="cpu-kernel")
     params = cpu_matmul.pack_params(init_params(PANEL_LLAMA, seed=3), True)
     params = jax.tree_util.tree_map(lambda a: a * 4.0 if a.ndim >= 2 else a, params)  # answers that vary
     model = LoadedModel("panel", cfg, params, None, None, "panel-record-test", {})
@@ -468,7 +468,7 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
     lookup graft equals `ar`, and `ar` equals `ar` through XLA's matmul."""
     from hsdjax.api import Generator, load_model
 
-    assert smollm.cfg.cpu_matmul
+    assert smollm.cfg.backend == "cpu-kernel"
     # SmolLM2's GGUF is Q4_1 (projections) and Q8_0 (tied head): every panel is stored compressed, and
     # since every layer stores its parts alike, q/k/v and gate/up are joined after packing
     layer = next(v for k, v in smollm.params.items() if k == "layers" or k.startswith("blocks_"))
@@ -482,7 +482,7 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
     hsd = Generator(smollm, "hsd").generate(prompt, max_new_tokens=40)[0]
     assert hsd.tokens == ar.tokens
     xla = load_model("smollm2-135m", cpu_matmul="off")
-    assert not xla.cfg.cpu_matmul
+    assert xla.cfg.backend != "cpu-kernel"
     assert Generator(xla, "ar").generate(prompt, max_new_tokens=40)[0].tokens == ar.tokens
     float32 = load_model("smollm2-135m", cpu_matmul="float32")
     assert float32.params["head_panels"].dtype == jnp.float32
