@@ -107,17 +107,29 @@ def options_for(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
 SHIPPED_TUNED = Path(__file__).parent / "drafters" / "checkpoints" / "tuned.json"
 
 
-def shipped_tuned(model_name: str, method: str) -> dict[str, Any]:
+def device_kinds(model: Any = None) -> tuple[str, ...]:
+    """The kinds of device a tree setting is measured for, most specific first: through hsdjax's CPU
+    kernels, the JAX backend and the instruction set they were built for ("cpu:avx2", "cpu:avx512",
+    "cpu:neon": a verified node costs ~0.5 of a step with 8 float32 lanes, ~0.3 with 16), then the JAX
+    backend alone ("cpu", "gpu", "tpu"), which also stands for XLA's path on a CPU."""
+    backend = jax.default_backend()
+    isa = (getattr(model, "backend", None) or {}).get("isa", "") if model is not None else ""
+    family = isa.split(" ")[0]
+    return (f"{backend}:{family}", backend) if family else (backend,)
+
+
+def shipped_tuned(model_name: str, method: str, kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The tree sizes measured by `hsdjax tune` for a registered model's shipped drafter (or a method
-    without one) on this kind of device, as they ship in ``drafters/checkpoints/tuned.json``; {} when
-    none were measured here."""
+    without one) on this kind of device (the first of ``kinds``, default ``device_kinds()``, that has
+    an entry), as they ship in ``drafters/checkpoints/tuned.json``; {} when none were measured."""
     try:
-        entry = json.loads(SHIPPED_TUNED.read_text())[model_name][method][jax.default_backend()]
+        per_kind = json.loads(SHIPPED_TUNED.read_text())[model_name][method]
+        entry = next(per_kind[k] for k in (kinds or device_kinds()) if k in per_kind)
         tuned: dict[str, Any] = {k: int(entry[k]) for k in TUNED_KEYS if k in entry}
         if "lookup_lengths" in entry:
             tuned["lookup_lengths"] = parse_lookup_lengths(entry["lookup_lengths"])
         return tuned
-    except (OSError, ValueError, KeyError, TypeError, HsdjaxError):
+    except (OSError, ValueError, KeyError, TypeError, StopIteration, HsdjaxError):
         return {}
 
 
@@ -135,31 +147,41 @@ def parse_lookup_lengths(value: Any) -> tuple[int, ...]:
     return lengths
 
 
-def tuned_path(fingerprint: str, method: str) -> Path:
-    """Where ``hsdjax tune --write`` keeps a model's setting for a method on this kind of device."""
-    return cache_dir("tuned") / f"{fingerprint[:16]}-{method}-{jax.default_backend()}.json"
+def tuned_path(fingerprint: str, method: str, kind: str | None = None) -> Path:
+    """Where ``hsdjax tune --write`` keeps a model's setting for a method on a kind of device
+    (``device_kinds``; default: the JAX backend)."""
+    kind = (kind or jax.default_backend()).replace(":", "-")
+    return cache_dir("tuned") / f"{fingerprint[:16]}-{method}-{kind}.json"
 
 
-def load_tuned(fingerprint: str, method: str) -> dict[str, Any]:
-    """The stored tree sizes (and ``min_prob`` when they were measured with one); {} when none."""
-    path = tuned_path(fingerprint, method)
-    try:
-        data = json.loads(path.read_text())
-        tuned: dict[str, Any] = {k: int(data[k]) for k in TUNED_KEYS if k in data}
-        if data.get("min_prob") is not None:
-            tuned["min_prob"] = float(data["min_prob"])
-        return tuned
-    except (OSError, ValueError, KeyError):
-        return {}
+def load_tuned(fingerprint: str, method: str, kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The stored tree sizes (and ``min_prob`` when they were measured with one) for the most specific
+    of ``kinds`` (default ``device_kinds()``) that has one; {} when none."""
+    for kind in kinds or device_kinds():
+        try:
+            data = json.loads(tuned_path(fingerprint, method, kind).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            tuned: dict[str, Any] = {k: int(data[k]) for k in TUNED_KEYS if k in data}
+            if data.get("min_prob") is not None:
+                tuned["min_prob"] = float(data["min_prob"])
+            return tuned
+        except (ValueError, KeyError, TypeError):
+            return {}
+    return {}
 
 
-def write_tuned(fingerprint: str, method: str, best: dict[str, Any], min_prob: float | None = None) -> Path:
-    """Store ``best``'s tree sizes that ``method`` uses (with the ``min_prob`` they were measured with)."""
+def write_tuned(fingerprint: str, method: str, best: dict[str, Any], min_prob: float | None = None,
+                kind: str | None = None) -> Path:
+    """Store ``best``'s tree sizes that ``method`` uses (with the ``min_prob`` they were measured with)
+    for a kind of device (``device_kinds``; default: the JAX backend)."""
     setting = {k: best[k] for k in TUNED_KEYS if k in REGISTRY[method].defaults and k in best}
     if method in FEATURE_METHODS and min_prob:
         setting["min_prob"] = min_prob
-    path = tuned_path(fingerprint, method)
-    path.write_text(json.dumps(setting | {"source": "hsdjax tune", "expected": best}, indent=2))
+    path = tuned_path(fingerprint, method, kind)
+    path.write_text(json.dumps(setting | {"source": "hsdjax tune", "device": kind or jax.default_backend(),
+                                          "expected": best}, indent=2))
     return path
 
 
@@ -212,10 +234,11 @@ def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str,
     setting = dict(REGISTRY[method].defaults)
     sizes = {k: given[k] for k in TREE_SIZES if k in given}
     if not sizes and setting:
+        kinds = device_kinds(model)
         if "drafter" not in given:
-            setting.update(shipped_tuned(model.name, method))
-        own = load_tuned(model.fingerprint, method)
-        if "lookup" in own:  # this machine's measured graft replaces the shipped table
+            setting.update(shipped_tuned(model.name, method, kinds))
+        own = load_tuned(model.fingerprint, method, kinds)
+        if own:  # this machine's measured setting (its graft, pld's depth) replaces the shipped table
             setting.pop("lookup_lengths", None)
         setting.update(own)
     for key, value in sizes.items():

@@ -25,8 +25,8 @@ are scaled to plain decoding's measured step inside the loop (``ar`` on the same
 gives the measured speed-up printed beside each prediction).
 
 The best setting is printed and, with ``--write``, stored (``hsdjax.methods.write_tuned``) where
-``make_drafter`` picks it up for this model, method and device when no explicit --depth / --width /
---budget is given.
+``make_drafter`` picks it up for this model, method and kind of device (``device_kinds``: through the
+CPU kernels, their instruction set) when no explicit --depth / --width / --budget is given.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from hsdjax.api import Generator, load_model
 from hsdjax.bench.questions import read_questions
 from hsdjax.errors import HsdjaxError
-from hsdjax.methods import FEATURE_METHODS, REGISTRY, TREE_METHODS, draft_model_of, write_tuned
+from hsdjax.methods import FEATURE_METHODS, REGISTRY, TREE_METHODS, device_kinds, draft_model_of, write_tuned
 from hsdjax.model import Transformer, init_cache
 
 NODE_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -207,9 +207,10 @@ def tune(model_name: str | None, method: str, question_files: Sequence[str], *, 
                                    "pass_s": seconds, "tokens_per_s": tokens / seconds,
                                    "accept_at_depth": accept[depth - 1], "whole_tree_share": whole})
     best = max(candidates, key=lambda c: c["tokens_per_s"])
-    result = {"model": model.name, "method": method, "backend": jax.default_backend(),
+    kind = device_kinds(model)[0]  # through the CPU kernels: the instruction set they run
+    result = {"model": model.name, "method": method, "backend": kind,
               "pass_cost_s": costs, "draft_step_s": draft_step or None, "candidates": candidates,
               "best": best, "plain_tokens_per_s": plain["tokens_per_s"], "plain_round_s": plain["round_s"]}
     if write:
-        result["written"] = str(write_tuned(model.fingerprint, method, best, min_prob))
+        result["written"] = str(write_tuned(model.fingerprint, method, best, min_prob, kind))
     return result

@@ -24,7 +24,7 @@ def qfile(tmp_path):
 
 @pytest.fixture()
 def tuned_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(methods, "tuned_path", lambda fingerprint, method: tmp_path / f"{method}.json")
+    monkeypatch.setattr(methods, "tuned_path", lambda fingerprint, method, kind=None: tmp_path / f"{method}.json")
     return tmp_path
 
 
@@ -127,4 +127,32 @@ def test_the_shipped_settings_name_shipped_drafters():
                 assert all(1 <= v <= 64 for k, v in sizes.items() if k != "lookup") and 0 <= sizes.get("lookup", 0) <= 64
                 if lengths is not None:  # a valid table, read back as the drafter's
                     assert methods.parse_lookup_lengths(lengths)
-                    assert methods.shipped_tuned(model, method)["lookup_lengths"] == methods.parse_lookup_lengths(lengths)
+                    assert (methods.shipped_tuned(model, method, (backend,))["lookup_lengths"]
+                            == methods.parse_lookup_lengths(lengths))
+
+
+def test_settings_are_chosen_per_instruction_set_of_the_cpu_kernels(smollm, tmp_path, monkeypatch):
+    """Through the CPU kernels the entry of their instruction set applies ("cpu:avx2"), else the JAX
+    backend's ("cpu": also XLA's path on a CPU); this machine's own tuning is stored per kind too."""
+    import dataclasses
+
+    import jax
+
+    backend = jax.default_backend()
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"smollm2-135m": {"pld": {
+        backend: {"width": 1, "depth": 3, "lookup_lengths": "0,1,1,3"},
+        f"{backend}:avx2": {"width": 1, "depth": 2, "lookup_lengths": "0,1,1,2"}}}}))
+    monkeypatch.setattr(methods, "SHIPPED_TUNED", shipped)
+    monkeypatch.setattr(methods, "cache_dir", lambda name: tmp_path)
+    avx2 = dataclasses.replace(smollm, backend={"path": "cpu-kernel", "isa": "avx2 (8 floats per vector)"})
+    avx512 = dataclasses.replace(smollm, backend={"path": "cpu-kernel", "isa": "avx512 (16 floats per vector)"})
+    xla = dataclasses.replace(smollm, backend={"path": "xla"})
+    assert methods.device_kinds(avx2) == (f"{backend}:avx2", backend) and methods.device_kinds(xla) == (backend,)
+    assert make_drafter("pld", avx2)[0].lengths == (0, 1, 1, 2)
+    assert make_drafter("pld", avx512)[0].lengths == (0, 1, 1, 3)  # no avx512 entry: the backend's
+    assert make_drafter("pld", xla)[0].lengths == (0, 1, 1, 3)
+    path = methods.write_tuned(smollm.fingerprint, "pld", {"width": 1, "depth": 5}, kind=f"{backend}:avx2")
+    assert path.name.endswith(f"-pld-{backend}-avx2.json") and json.loads(path.read_text())["device"] == f"{backend}:avx2"
+    assert make_drafter("pld", avx2)[0].depth == 5  # this machine's own tuning of its kind wins
+    assert make_drafter("pld", avx512)[0].depth == 3  # and reaches no other kind
