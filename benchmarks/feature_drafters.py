@@ -64,18 +64,22 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
              "min_prob=P,grow_prob=P,draft_length=L,ahead=A,policy=P,head=full]:CHECKPOINT|-")
     if not (eq and colon and label and method in ("ar", "hsd", "eagle", "sps", "pld") and path):
         raise SystemExit(usage)
-    from hsdjax.methods import TREE_SIZES
+    from hsdjax.methods import OPTION_BY_NAME
 
     opts: dict[str, Any] = {}
-    for pair in pairs:  # ranges are checked where the drafter is made
+    for pair in pairs:  # converted by the option's kind; ranges are checked where the drafter is made
         key, _, value = pair.partition("=")
-        if key not in (*TREE_SIZES, "lookup", "lookup_ngram", "lookup_lengths", "min_prob", "grow_prob",
-                       "draft_length", "ahead", "policy", "head") or (key == "head" and value not in ("full", "screened")):
+        option = OPTION_BY_NAME.get(key)
+        if key == "head":
+            if value not in ("full", "screened"):
+                raise SystemExit(usage)
+            opts[key] = value
+            continue
+        if option is None or key in ("drafter", "draft_model"):
             raise SystemExit(usage)
         try:
-            opts[key] = (float(value) if key in ("min_prob", "grow_prob")
-                         else value if key in ("draft_length", "policy", "head")
-                         else value.replace("/", ",") if key == "lookup_lengths" else int(value))
+            opts[key] = (int(value) if option.kind == "int" else float(value) if option.kind == "prob"
+                         else value.replace("/", ",") if key == "lookup_lengths" else value)
         except ValueError:
             raise SystemExit(usage) from None
     if path != "-":

@@ -21,7 +21,8 @@ from hsdjax.kernels import cpu_matmul as cpu_matmul_kernel
 from hsdjax.api import Generator, load_model
 from hsdjax.bench import run_bench
 from hsdjax.errors import HsdjaxError
-from hsdjax.methods import FEATURE_METHODS, METHODS, OPTIONS, TREE_METHODS, has_shipped_drafter
+from hsdjax.methods import (FEATURE_METHODS, METHODS, OPTION_BY_NAME, OPTIONS, TREE_METHODS, Option, has_shipped_drafter,
+                            options_from_args)
 from hsdjax.sharding import add_mesh_args, mesh_from_args
 from hsdjax.tune import FEATURE_BUDGETS, FEATURE_DEPTHS, tune
 from hsdjax.argtypes import float_in as _float_in, int_at_least as _int_at_least
@@ -51,16 +52,29 @@ def _count_list(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(_non_negative_int(t) for t in items))
 
 
-_probability = _float_in(0.0, 1.0, hi_open=True)
-# by ``hsdjax.methods.Option.kind``
-_OPTION_TYPES = {"size": _positive_int, "count": _non_negative_int, "prob": _probability, "text": None}
-_OPTION = {o.name: o for o in OPTIONS}
+def _option_type(option: Option):
+    """The argument type of a method option: the text converted by its kind, then checked by the option's
+    own definition (``Option.problem``: the one the Python API and the server's drafter go through)."""
+    convert = {"int": int, "prob": float}.get(option.kind)
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text) if convert else text
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if option.kind == 'int' else 'a number'}, got {text!r}") from None
+        problem = option.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return parse
 
 
 def _add_method_args(p: argparse.ArgumentParser, texts: dict[str, str] | None = None) -> None:
     """One flag per method option of the registry (``hsdjax.methods.OPTIONS``); ``texts`` replaces some help."""
     for o in OPTIONS:
-        p.add_argument(o.flag, type=_OPTION_TYPES[o.kind], default=None, help=(texts or {}).get(o.name, o.help))
+        p.add_argument(o.flag, type=_option_type(o), default=None, help=(texts or {}).get(o.name, o.help))
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_method: str = "ar") -> None:
@@ -162,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lookups", type=_count_list, default=None,
                    help="hsd / eagle: lengths of the grafted prompt-lookup continuation tried, e.g. 0,3,6 "
                         "(default: the method's own)")
-    t.add_argument("--min-prob", type=_probability, default=None, help=_OPTION["min_prob"].help)
+    t.add_argument("--min-prob", type=_option_type(OPTION_BY_NAME["min_prob"]), default=None,
+                   help=OPTION_BY_NAME["min_prob"].help)
     t.add_argument("--write", action="store_true")
 
     tr = sub.add_parser("train-drafter", help="generate self-distillation data and train an hsd/eagle drafter",
@@ -215,17 +230,12 @@ def _load(args: argparse.Namespace, quiet: bool = False) -> Any:
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, progress=not quiet, mesh=mesh_from_args(args),
                        cpu_matmul=args.cpu_matmul, cache_dtype=args.cache_dtype)
-    gen = Generator(model, method=args.method, **_method_options(args))
+    gen = Generator(model, method=args.method, **options_from_args(args))
     if not quiet:
         cached = "cached weights" if model.timings.get("cached") else "converted and cached weights"
         _log(f"loaded {model.name} ({model.cfg.family}, {model.cfg.num_params() / 1e6:.0f}M params, "
              f"{model.cfg.dtype}) in {time.perf_counter() - t0:.1f}s ({cached}); {model.backend_line()}")
     return gen
-
-
-def _method_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The method options given on the command line."""
-    return {o.name: getattr(args, o.name) for o in OPTIONS if getattr(args, o.name, None) is not None}
 
 
 def _read_prompt(text: str) -> str:
@@ -409,7 +419,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _log(f"prompt: {args.prompt!r}")
     runs = {}
     for name in ("ar", *methods):
-        gen = Generator(model, method=name, **(_method_options(args) if name != "ar" else {}))
+        gen = Generator(model, method=name, **(options_from_args(args) if name != "ar" else {}))
         first = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)[0]  # compiles
         timed = [gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)[0] for _ in range(args.repeats)]
         best = max(timed, key=lambda r: r.to_json()["decode_tokens_per_s"] or 0)
@@ -436,7 +446,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = run_bench(args.model, methods, args.questions, args.out, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, limit=args.limit, per_category=args.per_category, seed=args.seed,
                        peer_dtype=args.peer_dtype,
-                       method_options=_method_options(args), mesh=mesh_from_args(args))
+                       method_options=options_from_args(args), mesh=mesh_from_args(args))
     print(Path(args.out, "report.md").read_text())
     for note in report["meta"]["notes"]:
         _log(note)

@@ -27,39 +27,78 @@ from hsdjax.paths import cache_dir
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A method option: a keyword of ``make_drafter`` and a ``--flag`` of the command line."""
+    """A method option: a keyword of ``make_drafter`` and a ``--flag`` of the command line, with the one
+    definition of the values it takes, which the argument parser (``hsdjax.cli``, also for ``hsdjax
+    serve``) and ``make_drafter`` (``check_options``; the Python API and the server's scheduler) both read."""
 
     name: str
-    kind: str  # "size": a whole number (tree sizes must lie in [1, 64]); "count": >= 0; "prob": in [0, 1); "text"
+    kind: str  # "int", "prob" (a float in [lo, hi)) or "text"
     help: str
+    lo: float | None = None  # "int": [lo, hi]; "prob": [lo, hi)
+    hi: float | None = None
+    choices: tuple[str, ...] = ()  # "text" with a closed set of values
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with ``value`` for this option (a phrase after the flag), or None."""
+        if self.choices:
+            return None if value in self.choices else f"must be one of {', '.join(self.choices)} (got {value!r})"
+        if self.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"must be a whole number (got {value!r})"
+            return None if self.lo <= value <= self.hi else f"must be between {self.lo} and {self.hi} (got {value})"
+        if self.kind == "prob":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return f"must be a number (got {value!r})"
+            return None if self.lo <= value < self.hi else f"must be in [{self.lo}, {self.hi}) (got {value})"
+        return None
 
+
+MAX_TREE = 64  # the largest tree size, lookup chain and depth any option asks for
 OPTIONS = (  # in the order of the command line's --help
     Option("drafter", "text", "hsd/eagle: a drafter checkpoint (default: the one shipped for --model)"),
-    Option("budget", "size", "hsd/eagle: tree nodes verified per round besides the root"),
-    Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}"),
-    Option("ahead", "count", "hsd: chain states drafted beyond the tree's depth and kept for later rounds "
-                             "(0-4, default 0)"),
-    Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)"),
+    Option("budget", "int", "hsd/eagle: tree nodes verified per round besides the root", 1, MAX_TREE),
+    Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}", choices=POLICIES),
+    Option("ahead", "int", "hsd: chain states drafted beyond the tree's depth and kept for later rounds "
+                           "(0-4, default 0)", 0, 4),
+    Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)",
+           0, 1),
     Option("grow_prob", "prob", "hsd/eagle: verify nodes beyond the most likely draft only when their cumulative "
-                                "draft probability reaches this (the tree grows where the drafter is sure)"),
-    Option("lookup", "count", "hsd/eagle: also verify prompt lookup's continuation of up to this many tokens "
-                              "when the context has a match (0: off; default 6)"),
-    Option("lookup_ngram", "size", f"hsd/eagle: shortest match (1-{FIXED_MAX_NGRAM} newest tokens, default 2) that "
-                                   "grafts a lookup continuation"),
+                                "draft probability reaches this (the tree grows where the drafter is sure)", 0, 1),
+    Option("lookup", "int", "hsd/eagle: also verify prompt lookup's continuation of up to this many tokens "
+                            "when the context has a match (0: off; default 6)", 0, MAX_TREE),
+    Option("lookup_ngram", "int", f"hsd/eagle: shortest match (1-{FIXED_MAX_NGRAM} newest tokens, default 2) that "
+                                  "grafts a lookup continuation", 1, FIXED_MAX_NGRAM),
     Option("lookup_lengths", "text", "pld/hsd/eagle: lookup chain length by match length, e.g. 0,1,1,3: a match of "
                                      "the 1, 2, 3, 4 newest tokens proposes 0, 1, 1, 3 tokens (replaces --lookup and "
                                      "--lookup-ngram, and pld's --depth)"),
     Option("draft_model", "text", "sps: the draft LM (default: the registry's draft model for --model)"),
     Option("draft_length", "text", "sps: adaptive (default: per row, from its recent acceptance, at most --depth; "
-                                   "as transformers' assisted generation) or fixed (--depth drafts every round)"),
-    Option("depth", "size", "speculative: draft depth (tokens per guess)"),
-    Option("width", "size", "pld: candidate continuations per round; hsd/eagle: tree width"),
+                                   "as transformers' assisted generation) or fixed (--depth drafts every round)",
+           choices=DRAFT_LENGTHS),
+    Option("depth", "int", "speculative: draft depth (tokens per guess)", 1, MAX_TREE),
+    Option("width", "int", "pld: candidate continuations per round; hsd/eagle: tree width", 1, MAX_TREE),
 )
+OPTION_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def options_from_args(args: Any) -> dict[str, Any]:
+    """The method options given on a command line (an ``argparse.Namespace`` of ``hsdjax generate``,
+    ``bench`` or ``serve``): the one place they are collected."""
+    return {o.name: getattr(args, o.name) for o in OPTIONS if getattr(args, o.name, None) is not None}
+
+
+def check_options(given: Mapping[str, Any]) -> None:
+    """Refuse the first given option whose value its ``Option`` does not take (one clear line)."""
+    for name, value in given.items():
+        problem = OPTION_BY_NAME[name].problem(value) if name in OPTION_BY_NAME else None
+        if problem:
+            raise HsdjaxError(f"{OPTION_BY_NAME[name].flag} {problem}")
+
+
 OPTION_NAMES = tuple(o.name for o in OPTIONS)
 TREE_SIZES = ("depth", "width", "budget")  # the tree's shape options
 TUNED_KEYS = (*TREE_SIZES, "lookup")  # what `hsdjax tune` chooses (lookup: hsd / eagle's grafted continuation)
@@ -141,8 +180,8 @@ def parse_lookup_lengths(value: Any) -> tuple[int, ...]:
     except ValueError:
         lengths = ()
     if (not lengths or len(lengths) > TABLE_MAX_NGRAM or min(lengths) < 0 or max(lengths) < 1
-            or max(lengths) > 64):
-        raise HsdjaxError(f"--lookup-lengths expects 1-{TABLE_MAX_NGRAM} comma-separated chain lengths (0-64, at "
+            or max(lengths) > MAX_TREE):
+        raise HsdjaxError(f"--lookup-lengths expects 1-{TABLE_MAX_NGRAM} comma-separated chain lengths (0-{MAX_TREE}, at "
                           f"least one above 0) for matches of 1, 2, ... tokens, e.g. 0,1,1,3 (got {text!r})")
     return lengths
 
@@ -210,6 +249,7 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
     if unknown:
         raise TypeError(f"make_drafter() got unknown options {unknown}; known: {', '.join(OPTION_NAMES)}")
     given = {k: v for k, v in options.items() if v is not None}
+    check_options(given)
     setting = tree_setting(method, model, given)
     if method in FEATURE_METHODS:
         return _feature(method, model, setting, given)
@@ -241,17 +281,11 @@ def tree_setting(method: str, model: Any, given: Mapping[str, Any]) -> dict[str,
         if own:  # this machine's measured setting (its graft, pld's depth) replaces the shipped table
             setting.pop("lookup_lengths", None)
         setting.update(own)
-    for key, value in sizes.items():
-        if value < 1 or value > 64:
-            raise HsdjaxError(f"--{key} must be between 1 and 64 (got {value})")
-        setting[key] = value
-    return setting
+    return setting | sizes
 
 
 def _sps(model: Any, depth: int, draft_model: str | None, draft_length: str = "adaptive") -> tuple[Drafter, Any]:
     """``sps``: a draft LM of the target's tokenizer, in the target's dtype and layer loop."""
-    if draft_length not in DRAFT_LENGTHS:
-        raise HsdjaxError(f"--draft-length must be one of {', '.join(DRAFT_LENGTHS)} (got {draft_length!r})")
     name = draft_model_of(model, draft_model)
     if not name:
         raise HsdjaxError(f"sps needs a draft model of {model.name}'s tokenizer; pass --draft-model NAME "
@@ -270,22 +304,9 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
                               f"`hsdjax train-drafter CONFIG` and pass --drafter PATH")
         path = str(shipped_path(model.name, method))
     cfg, layers, dparams, _ = load_drafter(path, model, method)
-    if "min_prob" in given:
-        if not 0 <= given["min_prob"] < 1:
-            raise HsdjaxError(f"--min-prob must be in [0, 1) (got {given['min_prob']})")
-        setting["min_prob"] = given["min_prob"]
-    if "grow_prob" in given:
-        if not 0 <= given["grow_prob"] < 1:
-            raise HsdjaxError(f"--grow-prob must be in [0, 1) (got {given['grow_prob']})")
-        setting["grow_prob"] = given["grow_prob"]
-    if "lookup" in given:
-        if not 0 <= given["lookup"] <= 64:
-            raise HsdjaxError(f"--lookup must be between 0 and 64 (got {given['lookup']})")
-        setting["lookup"] = given["lookup"]
-    if "lookup_ngram" in given:
-        if not 1 <= given["lookup_ngram"] <= FIXED_MAX_NGRAM:
-            raise HsdjaxError(f"--lookup-ngram must be between 1 and {FIXED_MAX_NGRAM} (got {given['lookup_ngram']})")
-        setting["lookup_ngram"] = given["lookup_ngram"]
+    for name in ("min_prob", "grow_prob", "lookup", "lookup_ngram"):  # checked by ``check_options``
+        if name in given:
+            setting[name] = given[name]
     if "lookup_lengths" in given:
         if "lookup" in given or "lookup_ngram" in given:
             raise HsdjaxError("--lookup-lengths replaces --lookup and --lookup-ngram; give one or the other")
@@ -295,14 +316,10 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
     if "policy" in given:
         if method != "hsd":
             raise HsdjaxError("--policy applies to hsd only")
-        if given["policy"] not in POLICIES:
-            raise HsdjaxError(f"unknown --policy {given['policy']!r}; available: {', '.join(POLICIES)}")
         setting["policy"] = given["policy"]
     if "ahead" in given:
         if method != "hsd":
             raise HsdjaxError("--ahead applies to hsd only")
-        if not 0 <= given["ahead"] <= 4:
-            raise HsdjaxError(f"--ahead must be between 0 and 4 (got {given['ahead']})")
         setting["ahead"] = given["ahead"]
     return feature_drafter(method, cfg, layers, backend=model.cfg.backend, **setting), dparams
 

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     when it is ready), serve until interrupted."""
     import jax
 
-    from hsdjax.methods import OPTION_NAMES
+    from hsdjax.methods import options_from_args
     from hsdjax.sharding import mesh_from_args
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s: %(message)s",
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("listening on %s without an API key: anyone who reaches it can use it "
                     "(set --api-key or HSDJAX_API_KEY)", args.host)
     t0 = time.perf_counter()
-    options = {k: getattr(args, k) for k in OPTION_NAMES if getattr(args, k, None) is not None}
+    options = options_from_args(args)
     mesh = mesh_from_args(args)
     if jax.process_count() > 1:  # every process would have to make the scheduler's calls in lockstep
         raise HsdjaxError("serve runs on one host; --distributed / HSDJAX_COORDINATOR are for generate and bench")

@@ -41,17 +41,17 @@ def test_generate_json_end_to_end():
     (["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"], "no such file"),
     (["generate", "--prompt", "hi", "--method", "hsd", "--drafter", "/nonexistent/d.safetensors"], "not found"),
     (["generate", "--prompt", "hi", "--method", "hsd", "--drafter", "README.md"], "not a drafter checkpoint"),
-    (["generate", "--prompt", "hi", "--method", "hsd", "--policy", "sometimes"], "unknown --policy"),
+    (["generate", "--prompt", "hi", "--method", "hsd", "--policy", "sometimes"], "--policy: must be one of"),
     (["generate", "--prompt", "hi", "--method", "pld", "--policy", "reuse"], "--policy and --ahead to hsd"),
     (["generate", "--prompt", "hi", "--method", "eagle", "--ahead", "1"], "--ahead applies to hsd only"),
-    (["generate", "--prompt", "hi", "--method", "hsd", "--ahead", "7"], "--ahead must be between 0 and 4"),
+    (["generate", "--prompt", "hi", "--method", "hsd", "--ahead", "7"], "--ahead: must be between 0 and 4"),
     (["serve", "--prefill-chunk", "8"], "expected auto or a number of tokens"),
     (["serve", "--prefill-chunk", "lots"], "expected auto or a number of tokens"),
     (["serve", "--prefix-cache-mb", "-1"], "prefix-cache-mb"),
     (["generate", "--prompt", "hi", "--method", "sps", "--draft-length", "sometimes"], "draft"),
     (["generate", "--prompt", "hi", "--method", "hsd", "--lookup", "-1"], "lookup"),
-    (["generate", "--prompt", "hi", "--method", "hsd", "--lookup", "65"], "--lookup must be between 0 and 64"),
-    (["generate", "--prompt", "hi", "--method", "eagle", "--lookup-ngram", "4"], "--lookup-ngram must be between 1"),
+    (["generate", "--prompt", "hi", "--method", "hsd", "--lookup", "65"], "--lookup: must be between 0 and 64"),
+    (["generate", "--prompt", "hi", "--method", "eagle", "--lookup-ngram", "4"], "--lookup-ngram: must be between 1"),
     (["generate", "--prompt", "hi", "--method", "pld", "--lookup-lengths", "0,0"], "--lookup-lengths expects"),
     (["generate", "--prompt", "hi", "--method", "hsd", "--lookup-lengths", "1,x"], "--lookup-lengths expects"),
     (["generate", "--prompt", "hi", "--method", "hsd", "--lookup-lengths", "0,1,3", "--lookup", "4"],
@@ -75,6 +75,48 @@ def test_bad_input_is_one_clear_line(args, needle, capsys):
     assert code == 2, err
     assert needle in err
     assert "Traceback" not in err
+
+
+def _probe_values(option) -> list:
+    if option.choices:
+        return [*option.choices, "sometimes"]
+    if option.kind == "int":
+        return [option.lo - 1, option.lo, option.hi, option.hi + 1]
+    return [-0.1, 0.0, 0.5, 1.0, 2.0]
+
+
+def test_one_option_table_for_the_parser_and_make_drafter(capsys):
+    """Every method option's values are defined once (``hsdjax.methods.OPTIONS``): the command line
+    (generate, bench and serve share its flags) takes a value exactly when ``make_drafter`` (the Python
+    API and the server's drafter) does, and both refuse it in the same words."""
+    from hsdjax.cli import build_parser
+    from hsdjax.errors import HsdjaxError
+    from hsdjax.methods import OPTIONS, check_options, make_drafter
+
+    parser = build_parser()
+    checked = 0
+    for option in OPTIONS:
+        if option.kind == "text" and not option.choices:
+            continue
+        for value in _probe_values(option):
+            try:
+                parser.parse_args(["generate", "--prompt", "hi", option.flag, str(value)])
+                cli_problem = None
+            except SystemExit:
+                cli_problem = capsys.readouterr().err.strip().splitlines()[-1]
+            try:
+                check_options({option.name: value})
+                api_problem = None
+            except HsdjaxError as exc:
+                api_problem = str(exc)
+                with pytest.raises(HsdjaxError) as made:  # before any model is needed
+                    make_drafter("hsd", None, **{option.name: value})
+                assert str(made.value) == api_problem
+            assert (cli_problem is None) == (api_problem is None), (option.name, value, cli_problem, api_problem)
+            if api_problem:  # "--ahead must be ..." / "argument --ahead: must be ..."
+                assert cli_problem.endswith(f"argument {option.flag}: {api_problem[len(option.flag) + 1:]}")
+            checked += 1
+    assert checked >= 30
 
 
 def test_bad_input_through_the_installed_command():
