@@ -170,7 +170,7 @@ SMALL = ModelConfig(family="llama", vocab_size=6, hidden_size=16, intermediate_s
                     num_heads=2, num_kv_heads=1, head_dim=8, max_context=256)
 
 
-def exact_joint(cfg, params, prompt, temperature, top_p):
+def exact_joint(cfg, params, prompt, temperature, top_p, top_k=0):
     """Exact distribution of the first three sampled tokens under the adjusted target."""
     from hsdjax.sampling import SamplingParams, target_probs
 
@@ -181,7 +181,7 @@ def exact_joint(cfg, params, prompt, temperature, top_p):
     out = model.apply({"params": params}, jnp.array(seqs), jnp.broadcast_to(jnp.arange(t), seqs.shape),
                       causal_mask(jnp.full((len(seqs),), t), t))
     logits = model.apply({"params": params}, out["hidden"], method=Transformer.logits)  # [N, T, V]
-    sp = SamplingParams.make(len(seqs), temperature, 0, top_p)
+    sp = SamplingParams.make(len(seqs), temperature, top_k, top_p)
     p = len(prompt)
     probs = [np.asarray(target_probs(logits[:, p - 1 + i], sp)) for i in range(3)]
     joint = np.ones(len(seqs))
@@ -190,11 +190,11 @@ def exact_joint(cfg, params, prompt, temperature, top_p):
     return joint.reshape(v, v, v)
 
 
-def sample_joint(cfg, params, prompt, drafter, dparams, temperature, top_p, n_batches=30, batch=64):
+def sample_joint(cfg, params, prompt, drafter, dparams, temperature, top_p, top_k=0, n_batches=30, batch=64):
     counts = np.zeros((cfg.vocab_size,) * 3)
     for s in range(n_batches):
         rows = run_engine(cfg, params, [prompt] * batch, 3, drafter=drafter, dparams=dparams,
-                          temperature=temperature, top_p=top_p, seed=1000 + s)
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=1000 + s)
         for r in rows:
             counts[tuple(r[:3])] += 1
     return counts
@@ -215,7 +215,7 @@ def sharp_params(seed):
     return dict(params, embed=params["embed"] * 6.0)
 
 
-def sampling_pvalue(method, temperature, top_p):
+def sampling_pvalue(method, temperature, top_p, top_k=0):
     params = sharp_params(3)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     if method.startswith("sps"):
@@ -223,16 +223,21 @@ def sampling_pvalue(method, temperature, top_p):
         drafter, dparams = DraftLMDrafter(draft_cfg=SMALL, depth=3, draft_length=length), sharp_params(4)
     else:
         drafter, dparams = PromptLookupDrafter(width=2, depth=3), ()
-    counts = sample_joint(SMALL, params, prompt, drafter, dparams, temperature, top_p)
-    return pooled_pvalue(counts, exact_joint(SMALL, params, prompt, temperature, top_p))
+    counts = sample_joint(SMALL, params, prompt, drafter, dparams, temperature, top_p, top_k)
+    joint = exact_joint(SMALL, params, prompt, temperature, top_p, top_k)
+    if top_k:  # the truncation really bites: sequences through a token outside the top k cannot occur
+        assert (joint == 0).any()
+    return pooled_pvalue(counts, joint)
 
 
-@pytest.mark.parametrize("method,temperature,top_p", [("sps", 1.0, 1.0), ("sps", 0.7, 0.9), ("sps-adaptive", 1.0, 1.0),
-                                                      ("pld", 1.0, 1.0)])
-def test_speculative_sampling_matches_plain_sampling(method, temperature, top_p):
-    """Joint distribution of the first three tokens (one from the prefill, then speculative rounds)
-    against the exact distribution computed from the model."""
-    assert sampling_pvalue(method, temperature, top_p) > 1e-3
+@pytest.mark.parametrize("method,temperature,top_p,top_k", [
+    ("sps", 1.0, 1.0, 0), ("sps", 0.7, 0.9, 0), ("sps-adaptive", 1.0, 1.0, 0), ("pld", 1.0, 1.0, 0),
+    ("sps", 0.8, 0.95, 3), ("pld", 1.0, 1.0, 2)])
+def test_speculative_sampling_matches_plain_sampling(method, temperature, top_p, top_k):
+    """Joint distribution of the first three tokens (one from the prefill, then speculative chain
+    rounds) against the exact distribution computed from the model, with top-k / top-p truncation too
+    (the tree methods' top-k / top-p statistics are in tests/test_sampling.py)."""
+    assert sampling_pvalue(method, temperature, top_p, top_k) > 1e-3
 
 
 def test_engine_sampling_test_catches_a_wrong_residual(monkeypatch):
