@@ -190,10 +190,11 @@ def smollm_xla():
 @pytest.fixture(scope="session")
 def smollm_kernel(cpu_kernel):
     """The real default model through hsdjax's CPU kernels (``cpu_matmul="on"``: whatever ``auto``
-    measured), layers unrolled as ``load_model`` runs them on a CPU."""
+    measured), its layers under ``lax.scan`` as on GPU / TPU (half the unrolled loop's compile time;
+    the default-load tests run the unrolled loop)."""
     from hsdjax.api import load_model
 
-    return load_model("smollm2-135m", cpu_matmul="on")
+    return load_model("smollm2-135m", cpu_matmul="on", layer_loop="scan")
 
 
 def pytest_report_header(config):
