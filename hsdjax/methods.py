@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,11 +48,11 @@ class Option:
         if self.choices:
             return None if value in self.choices else f"must be one of {', '.join(self.choices)} (got {value!r})"
         if self.kind == "int":
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy integers too
                 return f"must be a whole number (got {value!r})"
             return None if self.lo <= value <= self.hi else f"must be between {self.lo} and {self.hi} (got {value})"
         if self.kind == "prob":
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 return f"must be a number (got {value!r})"
             return None if self.lo <= value < self.hi else f"must be in [{self.lo}, {self.hi}) (got {value})"
         return None
