@@ -60,8 +60,11 @@ cross-tools:
 demo: model-runtime cpu-matmul
 	$(HSDJAX) demo
 
+# Where a C++ compiler exists (`$CXX`, else g++ or c++) the kernels' tests must run: a test that finds
+# no compiler then fails instead of skipping (tests/conftest.py, HSDJAX_REQUIRE_CPU_KERNEL).
+HAVE_CXX := $(if $(shell command -v $(CXX) 2>/dev/null || command -v c++ 2>/dev/null),1,0)
 test: model cpu-matmul cross-tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+	HSDJAX_REQUIRE_CPU_KERNEL=$(HAVE_CXX) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-slow: model cpu-matmul
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

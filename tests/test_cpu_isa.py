@@ -21,15 +21,16 @@ import jax
 import pytest
 
 from hsdjax.kernels import cpu_matmul
+from tests.conftest import cxx_compiler, no_compiler
 
 KERNELS = Path(cpu_matmul.__file__).parent
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 
 def _cxx() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    cxx = cxx_compiler()
     if not cxx:
-        pytest.skip("no C++ compiler (install g++ or set CXX)")
+        no_compiler("the kernels' self-test")
     return cxx
 
 

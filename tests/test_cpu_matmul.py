@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import os
 
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +28,9 @@ PANEL_LLAMA = TINY_LLAMA.replace(vocab_size=96, hidden_size=64, intermediate_siz
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    if not cpu_matmul.is_built():
-        if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
-            pytest.skip("no C++ compiler: the optional CPU matmul kernel cannot be built here")
-        cpu_matmul.build()
-    assert cpu_matmul.load()
+def kernel(cpu_kernel):
+    """The kernels built (honouring ``$CXX``) and loaded: conftest's ``cpu_kernel``."""
+    return cpu_kernel
 
 
 def test_pack_and_unpack_are_inverse():
@@ -463,9 +459,10 @@ def test_load_setting_is_checked_and_explained(kernel):
         use_cpu_matmul("on", PANEL_LLAMA.replace(dtype="bfloat16"), None)
 
 
-def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
-    """The default model through the kernel (``auto`` picks it once built): greedy `hsd` with its
-    lookup graft equals `ar`, and `ar` equals `ar` through XLA's matmul."""
+def test_real_model_loads_with_the_kernel_compressed_and_float32_panels_agree(kernel, smollm):
+    """The default model through the kernel (``auto`` picks it once built), its panels stored compressed;
+    float32 panels give the same greedy tokens. (Every method equals `ar` through the kernels and through
+    XLA's dot in tests/test_real_methods.py; `hsd` on this default load in the demo test.)"""
     from hsdjax.api import Generator, load_model
 
     assert smollm.cfg.backend == "cpu-kernel"
@@ -479,11 +476,6 @@ def test_real_model_loads_with_the_kernel_and_hsd_equals_ar(kernel, smollm):
     assert smollm.cfg.screened_head == cpu_matmul.has_int8x()  # greedy tokens through the int8 screen
     prompt = "List three uses of a paperclip, then explain the second one."
     ar = Generator(smollm, "ar").generate(prompt, max_new_tokens=40)[0]
-    hsd = Generator(smollm, "hsd").generate(prompt, max_new_tokens=40)[0]
-    assert hsd.tokens == ar.tokens
-    xla = load_model("smollm2-135m", cpu_matmul="off")
-    assert xla.cfg.backend != "cpu-kernel"
-    assert Generator(xla, "ar").generate(prompt, max_new_tokens=40)[0].tokens == ar.tokens
     float32 = load_model("smollm2-135m", cpu_matmul="float32")
     assert float32.params["head_panels"].dtype == jnp.float32
     assert Generator(float32, "ar").generate(prompt, max_new_tokens=40)[0].tokens == ar.tokens

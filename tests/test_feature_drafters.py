@@ -571,14 +571,12 @@ def test_benchmark_variants_parse_and_refuse_bad_ones():
 
 
 @pytest.mark.parametrize("method", ["hsd", "eagle"])
-def test_drafter_on_cpu_panels_equals_plain_matrices(method):
+def test_drafter_on_cpu_panels_equals_plain_matrices(method, cpu_kernel):
     """``pack_for_cpu``: the network and head as float32 panels through the CPU kernel give the plain
     matrices' logits (up to the order of additions) on every piece the drafters call."""
     from hsdjax.drafters.feature import FeatureDrafterNet, init_net, pack_for_cpu
     from hsdjax.kernels import cpu_matmul
 
-    if not cpu_matmul.load():
-        pytest.skip("the CPU matmul kernel is not built here")
     fc = FeatureConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=128, fused=3, method=method)
     net = init_net(fc, seed=1)
     head = jax.random.normal(jax.random.PRNGKey(2), (fc.vocab, fc.hidden))
@@ -615,7 +613,7 @@ def test_drafter_on_cpu_panels_equals_plain_matrices(method):
     assert np.array_equal(np.asarray(run(lean_net, lean_head)), np.asarray(run(wide_net, wide_head)))
 
 
-def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds():
+def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds(cpu_kernel):
     """An ingest with packed matrices reads the context through the C++ attention kernel, after the
     new keys were written: over a prompt and rounds of 0-6 new inputs per row (rows apart), the cache
     and the outputs equal a plain-matrix ingest's (reference attention) and one causal pass over each
@@ -628,8 +626,6 @@ def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds():
     from hsdjax.kernels.tree_attention import tree_attention_reference
     from hsdjax.model import attention_for
 
-    if not cpu_matmul.load():
-        pytest.skip("the CPU matmul kernel is not built here")
     fc = FeatureConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=128, fused=3, method="hsd")
     net = init_net(fc, seed=1)
     pnet, _ = pack_for_cpu(net, jnp.zeros((fc.vocab, fc.hidden)))

@@ -1,6 +1,8 @@
 """Every method on the real model, on every path a user takes: greedy `pld`, `sps`, `hsd` (its tuned tree
 and the registry's default tree) and `eagle` give `ar`'s tokens on SmolLM2-135M through XLA's dot and
-through hsdjax's CPU kernels (the server and the mesh: tests/test_serve.py, tests/test_sharding.py).
+through hsdjax's CPU kernels; `sps` and `eagle` also through the server (the real uvicorn app on
+127.0.0.1 and the official `openai` client, concurrent requests sharing the scheduler's batch; `pld`
+there: tests/test_serve.py). On a mesh: tests/test_sharding.py.
 
 What it costs is XLA compilation (cold in CI), so: three prompts of 32 tokens decoded as one batch, one
 loaded model per path shared by every method (``smollm_xla`` / ``smollm_kernel`` in conftest.py), one
@@ -16,8 +18,11 @@ exactness needs exercised, and compiles in a fraction of the full model's time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +156,64 @@ def test_ar_is_the_same_through_xla_and_the_kernels(request, answers):
     xla = ar_answers(request, answers, "xla")
     kernel = ar_answers(request, answers, "cpu-kernel")
     assert [r.tokens for r in kernel] == [r.tokens for r in xla]
+
+
+# ------------------------------------------------------------------------------------------ the server
+@pytest.mark.parametrize("method", ["sps", "eagle"])
+def test_the_server_answers_with_ar_tokens(request, answers, draft, method):
+    """Three chat requests at once (the scheduler's rows: prefill, insert into a running batch of 2,
+    a queued third) answer with `ar`'s text. Warm-up and the prefix cache are off: their programs are
+    tested with `pld` (tests/test_serve*.py); here each method compiles only what the requests need."""
+    openai = pytest.importorskip("openai")
+    from hsdjax import serve
+    from hsdjax.serving.app import create_app
+    from hsdjax.serving.metrics import Metrics
+    from hsdjax.serving.scheduler import Scheduler
+
+    model = request.getfixturevalue(PATHS["xla"])
+    want = ar_answers(request, answers, "xla")
+    options = {"draft_model": str(draft)} if method == "sps" else {}
+    with matmul_setting(MATMUL_SETTING["xla"]):
+        sched = Scheduler(model, method, max_batch=2, max_queue=4, max_context=256, method_options=options,
+                          metrics=Metrics(), warmup=False, prefix_cache_mb=0)
+    sched.start()
+    server = None
+    try:
+        assert sched.ready.wait(600) and sched.failure is None, sched.failure
+        port = free_port()
+        server = serve.make_server(create_app(sched, MODEL), sched, host="127.0.0.1", port=port,
+                                   log_level="warning")
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60  # a hang guard
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=600)
+
+        def chat(prompt: str):
+            return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=MAX_NEW, temperature=0)
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(chat, PROMPTS))
+    finally:
+        if server is not None:
+            server.should_exit = True
+            thread.join(60)
+        sched.close()
+    assert [r.choices[0].message.content for r in got] == [r.text for r in want], method
+    assert [r.usage.completion_tokens for r in got] == [MAX_NEW] * len(PROMPTS)
+    extra = [r.model_extra["hsdjax"] for r in got]
+    assert {e["method"] for e in extra} == {method}
+    assert max(e["mean_accepted_length"] for e in extra) > 1.0  # drafts were accepted through the server
+
+
+def free_port() -> int:
+    """A free loopback port (released just before the server binds it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -195,6 +195,19 @@ def test_feature_drafters_greedy_on_meshes_equal_single_device(eight_devices, me
         assert got["dparams_replicated"]
 
 
+@pytest.mark.parametrize("mesh", (None, *MESHES))
+def test_sps_greedy_on_meshes_equals_single_device(eight_devices, mesh):
+    """``sps`` with a draft LM (the target's weights perturbed: most drafts accepted, some rejected), its
+    params replicated, its own KV cache beside the target's sharded one."""
+    r = eight_devices["sps"]
+    got = r[f"sps@{mesh}"]
+    assert got["tokens"] == eight_devices["greedy"]["reference"], mesh
+    assert got["accepted_drafts"] > 0 and 1.0 < got["tokens_per_pass"] < 4.0, got  # accepted and rejected drafts
+    if mesh is not None:
+        assert got["devices"] == 8 and got["mesh"] == sharding.parse_mesh(mesh, devices=8)
+        assert got["dparams_replicated"]
+
+
 def test_data_generation_on_a_mesh_equals_single_device(eight_devices):
     """``generate_data`` with the target on data=2,model=4: same tokens, same recorded states (bfloat16)."""
     r = eight_devices["datagen"]
@@ -340,6 +353,29 @@ def _feature_check(params: dict, prompts: list, folder: Path, lap) -> dict:
                 "dparams_replicated": all(a.sharding.is_fully_replicated and len(a.sharding.device_set) == 8
                                           for a in jax.tree_util.tree_leaves(gen.dparams)) if mesh else None}
             lap(f"{method}@{mesh}")
+    return out
+
+
+def _sps_check(params: dict, prompts: list, lap) -> dict:
+    """Greedy ``sps`` (a draft LM of HEADS8's shape, the target's weights times 1 + 5% noise) through
+    ``Generator.with_drafter`` on one device and on each mesh."""
+    from hsdjax.api import Generator
+    from hsdjax.drafters.sps import DraftLMDrafter
+
+    rng = np.random.RandomState(8)
+    draft = jax.tree_util.tree_map(lambda a: a * (1 + 0.05 * rng.standard_normal(a.shape)).astype(a.dtype), params)
+    out: dict = {}
+    for mesh in (None, *MESHES):
+        gen = Generator.with_drafter(_model(HEADS8, params, mesh), DraftLMDrafter(draft_cfg=HEADS8, depth=3), draft)
+        results = gen.generate(prompts, max_new_tokens=12)
+        stats = results[0].to_json()
+        out[f"sps@{mesh}"] = {
+            "tokens": [r.tokens for r in results], "devices": stats["devices"], "mesh": stats["mesh"],
+            "accepted_drafts": sum(r.stats["accepted_drafts"] for r in results),
+            "tokens_per_pass": stats["mean_accepted_length"],
+            "dparams_replicated": all(a.sharding.is_fully_replicated and len(a.sharding.device_set) == 8
+                                      for a in jax.tree_util.tree_leaves(gen.dparams)) if mesh else None}
+        lap(f"sps@{mesh}")
     return out
 
 
@@ -498,6 +534,7 @@ def _worker() -> None:
     report["greedy"] = greedy
     with tempfile.TemporaryDirectory() as tmp:
         report["feature"] = _feature_check(p8, prompts, Path(tmp), lap)
+        report["sps"] = _sps_check(p8, prompts, lap)
         report["datagen"], data = _datagen_check(p8, Path(tmp))
         lap("datagen")
         report["train"] = _train_check(p8, data, Path(tmp), lap)
