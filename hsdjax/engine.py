@@ -311,6 +311,18 @@ def piece_sizes(start: int, end: int, limit: int) -> list[int]:
     return sizes
 
 
+def piece_programs(longest: int, largest: int) -> list[tuple[int, bool]]:
+    """The (piece size, fresh) pairs ``piece_sizes`` can produce for prompts of at most ``longest``
+    tokens, pieces of at most ``largest``: what a server compiles ahead. A first (fresh) piece of size S
+    needs S prompt tokens, a later one 2S (it starts at a multiple of S past the first); 32 serves
+    every shorter remainder."""
+    out, size = [], 32
+    while size <= largest:
+        out += [(size, fresh) for fresh in (True, False) if size == 32 or size * (1 if fresh else 2) <= longest]
+        size *= 2
+    return out
+
+
 @partial(jax.jit, static_argnames=("cfg", "spare"))
 def fork_rows(params: dict[str, Any], gen: GenState, prompt_states: TargetStates, keys: UInt[Array, "N 2"], *,
               cfg: ModelConfig, spare: int = 1) -> tuple[GenState, TargetStates]:

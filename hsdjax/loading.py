@@ -8,6 +8,7 @@ importing the generation API that uses it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import os
 import time
@@ -289,4 +290,7 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     else:
         tokenizer = Tokenizer.from_hf_folder(source.path)
     timings = dict(timings, device_put_s=time.perf_counter() - t0)
+    # the weights of the path not taken and the conversion's intermediates sit in reference cycles until
+    # the next full collection (SmolLM2 on XLA's path: RSS 1.1 GB after loading, 0.7 GB once collected)
+    gc.collect()
     return LoadedModel(source.name, cfg, params, tokenizer, source, fingerprint, timings, mesh, backend)

@@ -174,6 +174,26 @@ def test_text_stream_holds_back_stop_prefixes_and_split_characters(smollm):
 
 
 # ------------------------------------------------------------------------------------------ engine rows
+@pytest.mark.parametrize("limit, max_batch, spec_bucket", [(1, 8, 1), (2, 8, 2), (3, 8, 4), (0, 8, 0), (8, 8, 8),
+                                                          (None, 8, 8)])
+def test_speculative_programs_only_where_rows_speculate(smollm, limit, max_batch, spec_bucket):
+    """With a plain variant (``pld``), the speculative decode (several forward passes: the largest
+    program) is compiled and run only in the batch buckets that hold at most ``spec_max_active`` rows;
+    plain decoding wherever more rows can be busy."""
+    from hsdjax.serving.scheduler import Scheduler
+
+    sched = Scheduler(smollm, "pld", max_batch=max_batch, spec_max_active=limit, warmup=False, prefix_cache_mb=0)
+    assert sched.spec_bucket == spec_bucket
+    for b in sched.buckets:
+        want = ([sched.drafter] if b <= spec_bucket else []) + ([sched.plain] if limit is not None and b > limit else [])
+        assert sched._decoders_at(b) == want, b
+    if limit == 1:  # one busy row in a bucket of 4: plain rounds until the resize, which shrinks at once
+        sched._slots = [object(), None, None, None]
+        assert not sched._speculates()
+        sched._slots = [object()]
+        assert sched._speculates()
+
+
 @pytest.mark.parametrize("method", ["pld", "sps"])
 def test_insert_and_take_rows_keep_each_row_exact(method):
     """Continuous batching at the engine level: rows prefilled separately, inserted into a running

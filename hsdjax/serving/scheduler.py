@@ -183,6 +183,13 @@ class Scheduler:
         self.context_limit = min(max_context, self.cfg.max_context, self.cache_size - self.drafter.spare - 1)
         self.spec_max_active = spec_max_active
         self.plain = speculation_off_variant(self.drafter) if spec_max_active is not None else None
+        # the largest batch bucket that runs speculative rounds: with a plain variant, the one that holds
+        # ``spec_max_active`` rows (a speculating batch in a larger bucket shrinks to it at once), so only
+        # those buckets compile the speculative program (its tiers make it several times the plain one's
+        # size in memory: SmolLM2's pld decode ~270 MB against ~70 MB)
+        self.spec_bucket = max_batch
+        if self.plain is not None and spec_max_active < max_batch:
+            self.spec_bucket = engine.pick_bucket(spec_max_active, self.buckets, "a batch") if spec_max_active else 0
         self.metrics = metrics or Metrics()
         self.stop_ids = engine.stop_array(self.tokenizer.stop_ids)
         self._stop_set = frozenset(self.tokenizer.stop_ids)
@@ -288,11 +295,9 @@ class Scheduler:
                                temperature=0.0, top_p=1.0, top_k=0, seed=0, stops=[], loop=None, queue=None)
                 new = self._prefill_now(r)
         assert new is not None
-        size, largest = 32, min(max(WHOLE_PIECE, self.prefill_chunk or 0), self.cache_size)
-        while size <= largest:  # every piece size, as a first piece and as a later one
-            for fresh in (True, False):
-                self._run_piece(self._empty_fill(), [0] * size, 0, size, fresh=fresh)
-            size *= 2
+        largest = min(max(WHOLE_PIECE, self.prefill_chunk or 0), self.cache_size)
+        for size, fresh in engine.piece_programs(self.context_limit, largest):  # as a first or a later piece
+            self._run_piece(self._empty_fill(), [0] * size, 0, size, fresh=fresh)
         if self.prefix is not None:  # its copies, for every padded number of blocks (small programs)
             blocks, fill = 1, self._empty_fill()
             while blocks * BLOCK <= self.cache_size:
@@ -303,10 +308,8 @@ class Scheduler:
         for b in self.buckets:
             rows = jnp.asarray([0] + [-1] * (b - 1), jnp.int32)
             state = engine.take_rows(new, rows)
-            for drafter in (self.drafter, self.plain):
-                if drafter is not None and (drafter is self.drafter or b > (self.spec_max_active or 0)):
-                    state = engine.decode(self.params, self.dparams, state, jnp.int32(1), cfg=self.cfg,
-                                          drafter=drafter)
+            for drafter in self._decoders_at(b):
+                state = engine.decode(self.params, self.dparams, state, jnp.int32(1), cfg=self.cfg, drafter=drafter)
             state = engine.insert_rows(state, new, jnp.asarray([b], jnp.int32))
             for other in self.buckets:  # growing or shrinking the running batch to any other bucket
                 if other != b:
@@ -496,16 +499,29 @@ class Scheduler:
         r.t_admitted = time.perf_counter()
 
     def _step(self) -> None:
-        active = sum(c is not None for c in self._slots)
-        drafter = self.drafter
-        if self.plain is not None and active > self.spec_max_active:
-            drafter = self.plain
+        drafter = self.drafter if self._speculates() else self.plain
         t0 = time.perf_counter()
         self._state = engine.decode(self.params, self.dparams, self._state, jnp.int32(self.rounds), cfg=self.cfg,
                                     drafter=drafter)
         self.metrics.decode_call(drafter.name)
         self._collect()  # reads the new tokens: waits for the call
         self._decode_s = _average(self._decode_s, time.perf_counter() - t0)
+
+    def _decoders_at(self, bucket: int) -> list[Any]:
+        """The drafters a decode call can run with at batch bucket ``bucket`` (what warm-up compiles)."""
+        out = [self.drafter] if bucket <= self.spec_bucket else []
+        if self.plain is not None and bucket > self.spec_max_active:
+            out.append(self.plain)
+        return out
+
+    def _speculates(self) -> bool:
+        """Whether the next decode call runs speculative rounds: always without a plain variant;
+        otherwise while at most ``spec_max_active`` rows are busy and the batch is in a bucket that
+        compiled the speculative program."""
+        if self.plain is None:
+            return True
+        active = sum(c is not None for c in self._slots)
+        return active <= self.spec_max_active and len(self._slots) <= self.spec_bucket
 
     def _collect(self) -> None:
         """Hand each row's new tokens to its choice; free rows that finished or were cancelled."""
@@ -628,7 +644,9 @@ class Scheduler:
             self._small_for = 0
             return
         self._small_for += 1
-        if self._small_for < self._shrink_after:
+        # rows that would speculate in a smaller bucket go there at once (larger ones run plain rounds)
+        to_speculate = self.plain is not None and len(busy) <= self.spec_max_active and target <= self.spec_bucket
+        if self._small_for < self._shrink_after and not to_speculate:
             return
         rows = np.full((target,), -1, np.int32)
         rows[: len(busy)] = busy
