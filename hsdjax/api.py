@@ -334,6 +334,9 @@ def _drafter_stats_of(drafter_name: str, st: Any, i: int, passes: int) -> dict[s
     if drafter_name == "hsd":
         out["chain_steps"] = states
         out["reused_states"] = int(st.reused_states[i])
+        # the draft reuse the method exists for: accepted drafts that came from an earlier round's states
+        out["reused_drafts"] = int(st.reused_drafts[i])
+        out["reused_share"] = round(int(st.reused_drafts[i]) / own, 4) if own else None
     return out
 
 

@@ -347,6 +347,7 @@ class RoundStats:
     drafter_macs: Float[Array, " B"]  # drafter multiply-adds (DraftCost.macs + Drafter.observe_macs)
     accepted_drafts: Int[Array, " B"]  # drafted tokens accepted (lookup's included)
     lookup_drafts: Int[Array, " B"]  # of those, the ones a grafted prompt-lookup chain supplied (no drafter state)
+    reused_drafts: Int[Array, " B"]  # of those, the ones drafted from a state of an earlier round (hsd's reuse)
     tree_nodes: Int[Array, " B"]  # valid tree nodes verified, root included
     verified_nodes: Int[Array, " B"]  # size of the target passes run (the tier, padding included)
     accept_hist: Int[Array, "B P"]  # accept_hist[b, k]: rounds that emitted k new tokens
@@ -355,7 +356,7 @@ class RoundStats:
     @classmethod
     def zeros(cls, batch: int, max_depth: int, max_rounds: int) -> "RoundStats":
         z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, z, jnp.zeros((batch,), jnp.float32), z, z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
+        return cls(z, z, z, z, jnp.zeros((batch,), jnp.float32), z, z, z, z, z, jnp.zeros((batch, max_depth + 2), jnp.int32),
                    jnp.zeros((batch, max_rounds), jnp.int8))
 
 
@@ -401,6 +402,7 @@ class PassResult:
     path_states: TargetStates  # along the accepted path (``layers``: the drafter's ``prompt_layers``)
     logprobs: TokenLogprobs | None  # of ``emitted`` [B, P], when the state records them
     lookup_accepted: Int[Array, " B"]  # accepted drafts that a grafted lookup chain supplied
+    reused_accepted: Int[Array, " B"]  # accepted drafts made from a drafter state of an earlier round
 
 
 def node_tokens(params: dict[str, Any], cfg: ModelConfig, hidden: Float[Array, "B N E"], sp: SamplingParams,
@@ -444,12 +446,16 @@ def verify_pass(params: dict[str, Any], cfg: ModelConfig, drafter: Any, gen: Gen
     logprobs = None
     if gen.logprobs is not None:  # emitted token j was drawn at the path's node j
         logprobs = TokenLogprobs.of(along(logits), emitted, gen.sampling, gen.logprobs.top_ids.shape[-1])
-    lookup_accepted = jnp.zeros_like(verdict.n_path)
-    if tree.lookup is not None:
-        on_path = (jnp.arange(verdict.path.shape[1])[None, :] < verdict.n_path[:, None]) & along(tree.lookup)
-        lookup_accepted = jnp.sum(on_path, axis=1).astype(jnp.int32)
+    accepted = jnp.arange(verdict.path.shape[1])[None, :] < verdict.n_path[:, None]  # the root's slot: never marked
+
+    def accepted_marked(mark: Bool[Array, "B N"] | None) -> Int[Array, " B"]:
+        if mark is None:
+            return jnp.zeros_like(verdict.n_path)
+        return jnp.sum(accepted & along(mark), axis=1).astype(jnp.int32)
+
     return PassResult(verdict=verdict, emitted=emitted, path_k=path_k, path_v=path_v, path_states=states,
-                      logprobs=logprobs, lookup_accepted=lookup_accepted)
+                      logprobs=logprobs, lookup_accepted=accepted_marked(tree.lookup),
+                      reused_accepted=accepted_marked(tree.reused))
 
 
 def verify_sizes(drafter: Any) -> tuple[int, ...]:
@@ -511,6 +517,7 @@ def spec_round(params: dict[str, Any], dparams: Any, state: DecodeState, cfg: Mo
         drafter_macs=st.drafter_macs + jnp.where(active, cost.macs + drafter.observe_macs(gen, verdict.n_path), 0.0),
         accepted_drafts=st.accepted_drafts + (verdict.n_path - 1) * on,
         lookup_drafts=st.lookup_drafts + out.lookup_accepted * on,
+        reused_drafts=st.reused_drafts + out.reused_accepted * on,
         tree_nodes=st.tree_nodes + jnp.sum(tree.valid, axis=1) * on,
         verified_nodes=st.verified_nodes + pass_size * on,
         accept_hist=st.accept_hist + jax.nn.one_hot(n_emitted, st.accept_hist.shape[1], dtype=jnp.int32) * on[:, None],

@@ -27,6 +27,9 @@ class DraftTree:
     # Trees with a grafted prompt-lookup chain mark its nodes (``graft_chain``), so the statistics can
     # tell drafts the drafter made from drafts lookup supplied; else None.
     lookup: Bool[Array, "B N"] | None = None
+    # Drafters that keep states across rounds (``hsd``) mark the nodes drafted from a state computed in an
+    # earlier round (the draft reuse the method exists for), so accepted tokens can be counted by it.
+    reused: Bool[Array, "B N"] | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -106,11 +109,12 @@ def compact(tree: DraftTree, size: int) -> DraftTree:
     parents = jnp.where(parents >= 0, jnp.take_along_axis(new_index, jnp.maximum(parents, 0), axis=1), -1)
     valid = take(tree.valid) & ((parents < size) | (parents < 0))
     lookup = None if tree.lookup is None else take(tree.lookup)
+    reused = None if tree.reused is None else take(tree.reused)
     q_probs = None
     if tree.q_probs is not None:  # per drafted slot (slot j at j - 1); the root (slot 0) stays first
         q_probs = jnp.take_along_axis(tree.q_probs, (order[:, 1:size] - 1)[:, :, None], axis=1)
     return DraftTree(tokens=take(tree.tokens), parents=jnp.where(valid, parents, -1), depth=take(tree.depth),
-                     valid=valid, q_probs=q_probs, lookup=lookup)
+                     valid=valid, q_probs=q_probs, lookup=lookup, reused=reused)
 
 
 def graft_chain(tree: DraftTree, drafts: Int[Array, "B L"], length: Int[Array, " B"]) -> DraftTree:
@@ -134,4 +138,5 @@ def graft_chain(tree: DraftTree, drafts: Int[Array, "B L"], length: Int[Array, "
         parents=jnp.concatenate([tree.parents, jnp.where(valid, parents, -1).astype(jnp.int32)], axis=1),
         depth=jnp.concatenate([tree.depth, jnp.broadcast_to(steps + 1, (b, steps.shape[0]))], axis=1),
         valid=jnp.concatenate([tree.valid, valid], axis=1),
-        lookup=jnp.concatenate([jnp.zeros((b, n), bool) if tree.lookup is None else tree.lookup, valid], axis=1))
+        lookup=jnp.concatenate([jnp.zeros((b, n), bool) if tree.lookup is None else tree.lookup, valid], axis=1),
+        reused=None if tree.reused is None else jnp.concatenate([tree.reused, jnp.zeros_like(valid)], axis=1))

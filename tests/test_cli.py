@@ -144,8 +144,10 @@ def test_generate_hsd_json_reports_drafter_work():
     assert ar.returncode == 0 and hsd.returncode == 0, hsd.stderr
     a, h = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (ar, hsd))
     assert h["text"] == a["text"]
-    for key in ("drafter_states", "chain_steps", "reused_states", "draft_utilisation", "draft_passes"):
+    for key in ("drafter_states", "chain_steps", "reused_states", "draft_utilisation", "draft_passes",
+                "reused_drafts", "reused_share"):
         assert key in h, key
+    assert 0 <= h["reused_drafts"] <= h["accepted_drafts"] - h["lookup_drafts"]
     assert h["mean_accepted_length"] > 1.2  # the trained drafter is right often on a simple answer
     assert 0 < h["draft_utilisation"] <= 1
 

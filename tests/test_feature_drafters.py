@@ -275,8 +275,11 @@ def test_hsd_policies_are_lossless_and_reuse_counts(target, policy):
     # every round ingests once and computes its chain states; refresh recomputes depth-1 states per round
     assert np.all(s.draft_passes >= rounds)
     assert np.all(s.drafter_states == s.draft_passes)
+    # accepted drafts made from kept states: some of the drafter's own, none where nothing was kept
+    assert np.all(s.reused_drafts <= s.accepted_drafts - s.lookup_drafts)
+    assert np.all((s.reused_drafts == 0) | (s.reused_states > 0))
     if policy == "refresh":
-        assert np.all(s.reused_states == 0)
+        assert np.all(s.reused_states == 0) and np.all(s.reused_drafts == 0)
         assert np.all(s.drafter_states == rounds * drafter.depth)
     if policy == "reuse":
         assert np.all(s.drafter_states < rounds * drafter.depth)  # kept states were not recomputed

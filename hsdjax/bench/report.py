@@ -134,12 +134,15 @@ def _counters(rs: list[dict[str, Any]]) -> dict[str, Any]:
     # the drafter's own accepted drafts (a grafted lookup chain's cost no drafter work; older records lack them)
     accepted = sum(sum(r["accepted_drafts"]) - sum(r.get("lookup_drafts", [0])) for r in rs)
     macs = sum(sum(r.get("drafter_macs", [0.0])) for r in rs)
+    reused = sum(sum(r.get("reused_drafts", [0])) for r in rs)
     return {"target_passes_per_token": passes / tokens if tokens else None,
             "draft_passes_per_token": sum(sum(r.get("draft_passes", r.get("draft_steps", [0]))) for r in rs) / tokens
             if tokens else None,  # (records before 2026-12 named them draft_steps)
             "draft_utilisation": accepted / states if states else None,
             "drafter_mmacs_per_token": macs / 1e6 / tokens if tokens and macs else None,
-            "drafter_mmacs_per_accepted": macs / 1e6 / accepted if accepted and macs else None}
+            "drafter_mmacs_per_accepted": macs / 1e6 / accepted if accepted and macs else None,
+            # the share of the drafter's accepted drafts made from states of an earlier round (hsd's reuse)
+            "reused_share": reused / accepted if accepted and "reused_drafts" in rs[0] else None}
 
 
 def accept_histogram(raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[int, int]]:
@@ -199,8 +202,9 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines += ["", "Per category:", ""]
     header = ("| method | category | questions | tokens/s | speed-up vs ar | mean accepted length | "
               "target passes / token | drafter passes (chain steps) / token | draft utilisation | "
-              "drafter M multiply-adds / accepted draft | identical to ar |")
-    lines += [header, "|" + " --- |" * 11]
+              "drafter M multiply-adds / accepted draft | accepted drafts from earlier rounds' states | "
+              "identical to ar |")
+    lines += [header, "|" + " --- |" * 12]
     for cat in cats:
         for method, m in summary.items():
             row = m["by_category"].get(cat)
@@ -217,7 +221,8 @@ def _category_line(name: str, cat: str, row: dict[str, Any]) -> str:
             f"{_fmt(row.get('target_passes_per_token'), '.3f')} | "
             f"{_fmt(row.get('draft_passes_per_token'), '.3f')} | "
             f"{_fmt(row.get('draft_utilisation'), '.3f')} | "
-            f"{_fmt(row.get('drafter_mmacs_per_accepted'), '.2f')} | {_fmt(row.get('identical_to_ar'))} |")
+            f"{_fmt(row.get('drafter_mmacs_per_accepted'), '.2f')} | {_fmt(row.get('reused_share'), '.3f')} | "
+            f"{_fmt(row.get('identical_to_ar'))} |")
 
 
 def write_plots(out: Path, summary: dict[str, Any], hist: dict[str, dict[int, int]]) -> list[str]:

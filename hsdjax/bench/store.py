@@ -68,7 +68,8 @@ def raw_record(q: Question, turns: list[Turn]) -> dict[str, Any]:
             "drafter_states": [t.drafter_states for t in turns],
             "accepted_drafts": [t.accepted_drafts for t in turns],
             "lookup_drafts": [t.lookup_drafts for t in turns],
-            "drafter_macs": [t.drafter_macs for t in turns]}
+            "drafter_macs": [t.drafter_macs for t in turns],
+            "reused_drafts": [t.stats.get("reused_drafts", 0) for t in turns]}
 
 
 def check_settings(out: Path, settings: dict[str, Any]) -> str:

@@ -142,8 +142,11 @@ class HSDDrafter(FeatureDrafter):
         tree, cum, _ = grow_tree(root, first, children, root[:, None], dparams["vocab_ids"], self.depth,
                                  self.width, self.budget, self.min_prob, self.grow_prob)
         used_depths = jnp.max(jnp.where(tree.valid, tree.depth, 0), axis=1)  # chain states the tree used
-        reused = jnp.sum((jnp.arange(self.depth)[None, :] < used_depths[:, None]) & (st.fresh[:, : self.depth] == 0),
-                         axis=1)
+        kept = st.fresh[:, : self.depth] == 0  # chain states computed in an earlier round
+        reused = jnp.sum((jnp.arange(self.depth)[None, :] < used_depths[:, None]) & kept, axis=1)
+        # a depth-d node is drafted from chain state d - 1
+        from_kept = jnp.take_along_axis(kept, jnp.clip(tree.depth - 1, 0, self.depth - 1), axis=1)
+        tree = tree.replace(reused=tree.valid & (tree.depth > 0) & from_kept)
         tree = self.graft_lookup(tree, gen)
         # g + head for the root and each depth's frontier that was drafted
         heads = 1 + frontiers_expanded(cum, self.depth, self.width, self.grow_prob) * self.width
