@@ -174,6 +174,7 @@ def test_the_server_answers_with_ar_tokens(request, answers, draft, method):
     from hsdjax.serving.app import create_app
     from hsdjax.serving.metrics import Metrics
     from hsdjax.serving.scheduler import Scheduler
+    from tests.test_serve_hardening import _free_port
 
     model = request.getfixturevalue(PATHS["xla"])
     want = ar_answers(request, answers, "xla")
@@ -185,7 +186,7 @@ def test_the_server_answers_with_ar_tokens(request, answers, draft, method):
     server = None
     try:
         assert sched.ready.wait(600) and sched.failure is None, sched.failure
-        port = free_port()
+        port = _free_port()
         server = serve.make_server(create_app(sched, MODEL), sched, host="127.0.0.1", port=port,
                                    log_level="warning")
         thread = threading.Thread(target=server.run, daemon=True)
@@ -213,12 +214,3 @@ def test_the_server_answers_with_ar_tokens(request, answers, draft, method):
     extra = [r.model_extra["hsdjax"] for r in got]
     assert {e["method"] for e in extra} == {method}
     assert max(e["mean_accepted_length"] for e in extra) > 1.0  # drafts were accepted through the server
-
-
-def free_port() -> int:
-    """A free loopback port (released just before the server binds it)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -514,14 +514,15 @@ class Scheduler:
             out.append(self.plain)
         return out
 
-    def _speculates(self) -> bool:
-        """Whether the next decode call runs speculative rounds: always without a plain variant;
-        otherwise while at most ``spec_max_active`` rows are busy and the batch is in a bucket that
-        compiled the speculative program."""
+    def _speculates(self, busy: int | None = None, bucket: int | None = None) -> bool:
+        """Whether a decode call with ``busy`` busy rows in batch bucket ``bucket`` (default: the running
+        batch's) runs speculative rounds: always without a plain variant; otherwise while at most
+        ``spec_max_active`` rows are busy and the bucket compiled the speculative program."""
         if self.plain is None:
             return True
-        active = sum(c is not None for c in self._slots)
-        return active <= self.spec_max_active and len(self._slots) <= self.spec_bucket
+        busy = sum(c is not None for c in self._slots) if busy is None else busy
+        bucket = len(self._slots) if bucket is None else bucket
+        return busy <= self.spec_max_active and bucket <= self.spec_bucket
 
     def _collect(self) -> None:
         """Hand each row's new tokens to its choice; free rows that finished or were cancelled."""
@@ -645,7 +646,7 @@ class Scheduler:
             return
         self._small_for += 1
         # rows that would speculate in a smaller bucket go there at once (larger ones run plain rounds)
-        to_speculate = self.plain is not None and len(busy) <= self.spec_max_active and target <= self.spec_bucket
+        to_speculate = self.plain is not None and self._speculates(len(busy), target)
         if self._small_for < self._shrink_after and not to_speculate:
             return
         rows = np.full((target,), -1, np.int32)
