@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -225,6 +226,17 @@ def _hf_generator(args: argparse.Namespace, eos: list[int]):
     return generate
 
 
+def llamacpp_build() -> str:
+    """What the installed llama.cpp was compiled for, from its system info: the instruction sets it
+    uses (``AVX2 AVX512 ...``; AMX appears only where it was built in)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    isa = [name for name, on in re.findall(r"([A-Z0-9_]+) = (\d+)", info)
+           if on == "1" and name not in ("LLAMAFILE", "OPENMP", "REPACK")]
+    return f"llama.cpp {llama_cpp.__version__} built for {' '.join(isa) or 'no vector extension'}"
+
+
 def _llamacpp_generator(args: argparse.Namespace, eos: list[int]):
     from llama_cpp import Llama
 
@@ -269,6 +281,12 @@ def _llamacpp_generator(args: argparse.Namespace, eos: list[int]):
     return generate
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def worker_main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="hsdjax peer worker (JSON lines on stdin/stdout)")
     parser.add_argument("kind", choices=("hf", "llamacpp"))
@@ -282,7 +300,9 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     channel = _protocol_channel()
     t0 = time.perf_counter()
     generate = (_hf_generator if args.kind == "hf" else _llamacpp_generator)(args, eos)
-    channel.write(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "dtype": args.dtype}) + "\n")
+    build = llamacpp_build() if args.kind == "llamacpp" else f"torch {_torch_version()} ({args.dtype})"
+    channel.write(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "dtype": args.dtype,
+                              "build": build}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,9 @@ def test_bench_two_questions_two_methods(tmp_path):
         check_answer_file(out / "answers" / "llamacpp.jsonl", [3, 7])
         assert report["summary"]["llamacpp"]["external"] is True
         assert any("quantized kernels" in n for n in report["meta"]["notes"])
+        # the peers' builds are named beside the CPU (llama.cpp's instruction sets, from its system info)
+        assert re.search(r"peer: llama\.cpp [\d.]+ built for \w", report["meta"]["machine"])
+        assert "peer: torch " in report["meta"]["machine"]
     else:
         assert any("llamacpp skipped" in n and "hsdjax[llamacpp]" in n for n in report["meta"]["notes"])
     assert (out / "report.md").exists() and (out / "speedup_by_category.png").exists()

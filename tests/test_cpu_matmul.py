@@ -585,7 +585,8 @@ def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel, cache_dtype):
     from hsdjax.api import load_model
     from hsdjax.model import Transformer, causal_mask, commit, init_cache
 
-    model = load_model("smollm2-135m", cpu_matmul="on", cache_dtype=cache_dtype)
+    # layers under lax.scan: the same kernels per layer as the unrolled loop, at half its compile time
+    model = load_model("smollm2-135m", cpu_matmul="on", cache_dtype=cache_dtype, layer_loop="scan")
     net, params = Transformer(model.cfg), {"params": model.params}
     rng = np.random.default_rng(0)
     n = 252  # the paths below cross position 256, where the kernel's key chunks meet

@@ -172,8 +172,10 @@ SYSTEM = (
 def sched(smollm):
     from tests.test_serve_hardening import running_scheduler
 
+    # no warm-up: these tests order events, not times, and compile only the shapes they use (the full
+    # warm-up of every piece and bucket is tested in tests/test_serve.py)
     s = running_scheduler(smollm, "hsd", max_batch=2, max_queue=4, max_context=1024, prefill_chunk=64,
-                          prefix_cache_mb=64, spec_max_active=None)
+                          prefix_cache_mb=64, spec_max_active=None, warmup=False)
     yield s
     s.close()
 
@@ -250,7 +252,7 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_calls(sched, refere
     until the long request is queued, so the short one (200 tokens) is still decoding when the long
     prompt's pieces run, however fast this machine decodes."""
     events: list[tuple[str, int, str]] = []
-    step, fill_step = sched._step, sched._fill_step
+    step, fill_step, prefill_done = sched._step, sched._fill_step, sched._prefill_done
     queued = threading.Event()
 
     def logged_step():
@@ -263,7 +265,11 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_calls(sched, refere
         events.append(("piece", size, f.req.id))
         return size
 
-    sched._step, sched._fill_step = logged_step, logged_fill_step
+    def logged_prefill_done(f):
+        events.append(("finish", 0, f.req.id))
+        return prefill_done(f)
+
+    sched._step, sched._fill_step, sched._prefill_done = logged_step, logged_fill_step, logged_prefill_done
     try:
         short = smollm.tokenizer.encode_chat([{"role": "user", "content": "Count from one to forty."}])
         long = smollm.tokenizer.encode_chat([{"role": "system", "content": "Be brief. " + SYSTEM},
@@ -276,12 +282,15 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_calls(sched, refere
         texts = short_text.result(600), long_text.result(600)
     finally:
         queued.set()
-        del sched._step, sched._fill_step
+        del sched._step, sched._fill_step, sched._prefill_done
     long_pieces = [i for i, (kind, _, name) in enumerate(events) if kind == "piece" and name == "long"]
     assert len(long_pieces) >= 4  # ~300 prompt tokens, none of them stored before
     assert all(events[i][1] <= 64 for i in long_pieces)
     for a, b in zip(long_pieces, long_pieces[1:]):
         assert any(kind == "decode" for kind, _, _ in events[a + 1: b]), events  # the short stream kept going
+    # finishing the fill (first token, drafter start, insert) waits for the next call after the last piece
+    [finish] = [i for i, (kind, _, name) in enumerate(events) if kind == "finish" and name == "long"]
+    assert finish > long_pieces[-1] and any(kind == "decode" for kind, _, _ in events[long_pieces[-1] + 1: finish])
     for ids, max_new, got in ((short, 200, texts[0]), (long, 16, texts[1])):
         assert got == reference.generate(ids, max_new_tokens=max_new, temperature=0.0)[0].text
 

@@ -39,6 +39,8 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
     try:
         started = store.check_settings(out, settings)
         answer_all(out, model.name, runners, questions, max_new_tokens, temperature, seed, progress)
+        peer_builds = sorted({r.peer.worker.info["build"] for r in runners
+                              if getattr(r, "external", False) and r.peer.worker.info.get("build")})
     finally:
         for w in workers:
             w.close()
@@ -47,7 +49,7 @@ def run_bench(model_name: str | None, methods: Sequence[str], question_files: Se
     meta = {"model": model.name, "questions": len(questions), "files": [Path(f).name for f in question_files],
             "selection": selection, "method_options": options, "max_new_tokens": max_new_tokens,
             "temperature": temperature, "seed": seed, "notes": notes, "started": started,
-            "machine": machine_line(model)}
+            "machine": "; ".join([machine_line(model), *(f"peer: {b}" for b in peer_builds)])}
     raw = store.load_raw(out, [r.name for r in runners], {q.question_id for q in questions})
     return write_report(out, raw, {r.name for r in runners if r.external}, meta)
 

@@ -405,7 +405,9 @@ class Scheduler:
         """Advance the prompt fills, oldest first: while rows decode, at most ``prefill_chunk`` prompt
         tokens per call (so a long prompt never stalls the running streams for more than one piece);
         with nothing decoding, whole prompts. A finished fill's rows join the running batch and its
-        first token is sent."""
+        first token is sent. While rows decode, finishing a fill (its first token, the drafter's start,
+        inserting its rows) is a call's whole share: it runs at the next call after the last piece, and
+        one per call, so a stream waits for one of them between two decode calls, never both."""
         budget = self._prefill_budget() if any(c is not None for c in self._slots) else None
         placed: list[Filling] = []
         while self._filling and (budget is None or budget > 0):
@@ -426,8 +428,10 @@ class Scheduler:
                         if self.prefill_chunk is None:  # time the piece (the next decode call waits for it anyway)
                             jax.block_until_ready(f.fill.cache.length)
                             self._token_s = _average(self._token_s, (time.perf_counter() - t0) / spent)
-                if f.filled < len(r.prompt_ids):
-                    continue
+                    if f.filled < len(r.prompt_ids):
+                        continue
+                    if budget is not None:
+                        break  # rows decode: the finish waits for the next call
                 self._filling.popleft()
                 new = self._prefill_done(f)
             except Exception:  # noqa: BLE001 - only this request fails
@@ -437,6 +441,8 @@ class Scheduler:
                 continue
             self._place(r, new)
             placed.append(f)
+            if budget is not None:
+                break  # one finish per call while rows decode
         if placed:
             self._small_for = 0
             self._collect()  # the first token comes from the prefill
