@@ -189,8 +189,11 @@ try:
 except Exception as e:  # noqa: BLE001
     json.dump({"skipped": f"torch / transformers not importable: {e}"}, open(out, "w"))
     sys.exit(0)
-sys.path.insert(0, "benchmarks")
-from round_cost import KNOWN_CONFIGS
+import importlib.util
+spec = importlib.util.spec_from_file_location("round_cost", "benchmarks/round_cost.py")
+round_cost = sys.modules["round_cost"] = importlib.util.module_from_spec(spec)  # (dataclasses look it up)
+spec.loader.exec_module(round_cost)
+KNOWN_CONFIGS = round_cost.KNOWN_CONFIGS
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16
 if installed:

@@ -8,7 +8,7 @@ Each program is compiled first; then ``--repeats`` passes over the prompts, the 
 back to back in a rotated order, so the drift of a shared machine hits them alike. Printed: decode tokens/s
 over all prompts per pass (median of the passes) and per-pass ratios to `ar`, tokens per round, and whether
 every output equals `ar`'s token for token. The replay that proposed the candidate:
-``benchmarks/lookup_policy.py`` with this machine's ``benchmarks/round_cost.py`` costs.
+``experiments/lookup_policy.py`` with this machine's ``benchmarks/round_cost.py`` costs.
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ def instrument(sched: Any, log: list[tuple[str, float, float]]) -> None:
 
     sched._fill_step = timed("piece", sched._fill_step, lambda out, a: a[0].fill)
     sched._prefill_done = timed("finish", sched._prefill_done, lambda out, a: out)
-    sched._place = timed("place", sched._place, lambda out, a: sched._state)
-    sched._step = timed("decode", sched._step, lambda out, a: sched._state)
-    sched._resize = timed("resize", sched._resize, lambda out, a: sched._state)
+    sched._place = timed("place", sched._place, lambda out, a: sched.rows.state)
+    sched._step = timed("decode", sched._step, lambda out, a: sched.rows.state)
+    sched._resize = timed("resize", sched._resize, lambda out, a: sched.rows.state)
 
 
 def request(sched: Any, ids: list[int], max_new: int) -> tuple[Any, Sink]:

@@ -55,6 +55,8 @@ def test_bench_two_questions_two_methods(tmp_path):
     report = json.loads((out / "report.json").read_text())
     overall = report["summary"]["pld"]["by_category"]["overall"]
     assert overall["identical_to_ar"] is True and overall["speedup_vs_ar"] > 0
+    assert report["summary"]["pld"]["alone"]["decode_tokens_per_s"] > 0  # decode alone (prefill excluded)
+    assert "turn_2_speedup_vs_ar" in report["summary"]["pld"]["alone"]
     # transformers (one worker serving plain and prompt-lookup decoding) on the same weights: same tokens
     for peer in ("hf-ar", "hf-pld"):
         assert report["summary"][peer]["external"] is True
@@ -141,3 +143,32 @@ def test_a_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path):
         f.write('{"question_id": 2, "tok')  # killed mid-write
     append_jsonl(path, {"question_id": 3})
     assert [r["question_id"] for r in read_jsonl(path)] == [1, 3]
+
+
+def test_report_gives_decode_alone_the_median_question_and_each_turn():
+    """The report's second table: decode-only speed (each turn's first token comes out of the prefill,
+    so it is left out with the prefill's time), the median of per-question speed-ups and each turn alone,
+    all against `ar`; records without decode times (older runs) leave those cells empty."""
+    from hsdjax.bench.report import report_markdown, summarize
+
+    def rec(qid, tokens, wall, decode=None):
+        r = {"question_id": qid, "category": "c", "tokens": [[1] * n for n in tokens], "wall_time": wall,
+             "accept_lengths": [[1] * n for n in tokens], "target_passes": list(tokens), "draft_passes": [0] * len(tokens),
+             "accepted_drafts": [0] * len(tokens)}
+        return r | ({"decode_time": decode} if decode else {})
+
+    raw = {"ar": [rec(1, [11, 21], [1.0, 2.0], [0.5, 1.0]), rec(2, [11], [1.0], [0.5])],
+           "pld": [rec(1, [11, 21], [0.5, 2.0], [0.25, 1.0]), rec(2, [11], [0.5], [0.25])],
+           "old": [rec(1, [11, 21], [1.0, 1.0]), rec(2, [11], [2.0])]}
+    s = summarize(raw, set(), greedy=True)
+    pld, old = s["pld"]["alone"], s["old"]["alone"]
+    # decode: ar 30/1.5 = 20 and 10/0.5 = 20 tok/s; pld 30/1.25 = 24 and 10/0.25 = 40
+    assert pld["decode_tokens_per_s"] == pytest.approx(32.0) and pld["decode_speedup_vs_ar"] == pytest.approx(1.6)
+    # whole questions: ar 32/3 and 11; pld 32/2.5 and 22 -> ratios 1.2 and 2.0
+    assert pld["median_ratio_vs_ar"] == pytest.approx(1.6)
+    assert pld["turn_1_speedup_vs_ar"] == pytest.approx(2.0) and pld["turn_2_speedup_vs_ar"] == pytest.approx(1.0)
+    assert "decode_tokens_per_s" not in old and old["turn_2_speedup_vs_ar"] == pytest.approx(2.0)
+    md = report_markdown(s, {"model": "m", "questions": 2, "files": ["q.jsonl"], "max_new_tokens": 32,
+                             "temperature": 0.0, "started": "now"})
+    assert "| pld | 32.0 | 1.60x | 1.60x | 2.00x | 1.00x |" in md
+    assert "| old | - | - | 1.00x | 0.75x | 2.00x |" in md  # ratios 1.5 and 0.5; turn 1: 8.25 against 11

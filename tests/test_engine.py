@@ -148,3 +148,52 @@ def test_row_keys_fold_the_row_index_into_the_seed():
     keys = np.asarray(engine.row_keys(3, 2))
     assert np.array_equal(keys[1], np.asarray(jax.random.fold_in(jax.random.PRNGKey(3), 1)))
     assert not np.array_equal(keys[0], keys[1])
+
+
+def test_row_pool_places_grows_releases_and_shrinks_without_changing_rows(tiny):
+    """The running batch both continuous batchers share (``hsdjax.batch.RowPool``): rows placed while
+    others decode (the state grows through its sizes), a row released and the busy ones compacted into a
+    smaller size, another placed after: every kept row decodes exactly as its prompt alone."""
+    from hsdjax.batch import RowPool
+    from hsdjax.drafters import ARDrafter
+
+    cfg, params = tiny
+    rng = np.random.RandomState(4)
+    prompts = [list(rng.randint(0, cfg.vocab_size, n)) for n in (3, 7, 5, 2)]
+    want = [run(cfg, params, [p], 12)[0] for p in prompts]
+    p_bucket, s_bucket = engine.plan_shapes(cfg, max(map(len, prompts)), 12, spare=0)
+    drafter = ARDrafter()
+
+    def prefilled(i, copies=1):  # prompt i in `copies` rows (the server's spare copies beyond n)
+        arr, lengths, budget = engine.pack_rows([prompts[i]] * copies, p_bucket, copies, 12)
+        gen, fwd = engine.prefill(params, jnp.array(arr), jnp.array(lengths), jnp.array(budget),
+                                  SamplingParams.make(copies, 0.0, 0, 1.0), engine.row_keys(0, copies),
+                                  engine.stop_array(()), cfg=cfg, cache_size=s_bucket, spare=0, keep_layers=())
+        return engine.start_decoding((), gen, fwd, drafter=drafter)
+
+    def decode(pool, steps):
+        pool.state = engine.decode(params, (), pool.state, jnp.int32(steps), cfg=cfg, drafter=drafter)
+
+    pool = RowPool((1, 2, 4))
+    assert pool.place(prefilled(0), [0]) == [0] and pool.size == 1
+    decode(pool, 3)
+    assert pool.place(prefilled(1, copies=2), [1]) == [1] and pool.size == 2  # grown; the spare copy dropped
+    decode(pool, 2)
+    assert pool.place(prefilled(2), [2]) == [2] and pool.size == 4
+    decode(pool, 4)
+    assert pool.release(1) == 1 and pool.busy() == [0, 2]
+    pool.shrink()
+    assert pool.size == 2 and pool.slots == [0, 2]  # busy rows moved, in order
+    assert pool.place(prefilled(3), [3]) == [2] and pool.size == 4
+    decode(pool, 20)
+    g = pool.state.gen
+    seq, start, end = (np.asarray(a) for a in (g.seq, g.prompt_len, g.seq_len))
+    for row, i in enumerate(pool.slots):
+        if i is not None:
+            assert seq[row, start[row]: end[row]].tolist() == want[i], i
+    with pytest.raises(ValueError, match="do not fit"):
+        pool.shrink(2)
+    for row in pool.busy():
+        pool.release(row)
+    pool.shrink()
+    assert pool.state is None and pool.size == 0

@@ -499,11 +499,12 @@ def test_drafter_macs_accumulate_per_method(target):
     assert np.all(np.asarray(state.stats.drafter_macs) == 0)
 
 
-def benchmark_module(name):
+def benchmark_module(name, folder="benchmarks"):
+    """A script of ``benchmarks/`` (or ``experiments/``) imported as a module."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -516,7 +517,7 @@ def test_the_training_metric_replayed_as_rounds_walks_the_depth_1_loop(correct):
     """``drafter_gap``'s replay of per-position first-draft hits as depth-1 rounds: each round reads the
     hit of the draft made just before its root, emits 2 tokens on a hit and 1 on a miss, and the rounds
     cover the positions; the split by the round before counts each round once."""
-    gap = benchmark_module("drafter_gap")
+    gap = benchmark_module("drafter_gap", "experiments")
     emitted = gap.replayed_rounds(np.array(correct))
     roots = np.cumsum([1] + emitted[:-1])  # each round's root position
     assert [2 if correct[r - 1] else 1 for r in roots] == emitted
@@ -532,7 +533,7 @@ def test_the_lookup_split_and_the_graft_replay_follow_the_grafts_own_lookup():
     tokens of the context up to t + 1, then the most recent; 2, 2 or 6 tokens by match length) proposes
     the token at t + 2 right (2), wrong (1), or finds no match (0), and so many of its tokens are right
     in a row; ``replayed_graft_rounds`` emits one more than the longer right run of draft and graft."""
-    gap = benchmark_module("drafter_gap")
+    gap = benchmark_module("drafter_gap", "experiments")
     rng = np.random.default_rng(0)
     for tokens in [[], [1], [1, 1], [1, 1, 1], *(rng.integers(0, 4, 40).tolist() for _ in range(20))]:
         classes, hits = gap.lookup_drafts(np.array(tokens, np.int32))

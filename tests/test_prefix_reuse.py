@@ -266,12 +266,12 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_calls(sched, refere
         return size
 
     def logged_prefill_done(f):
-        events.append(("finish", 0, f.req.id))
+        events.append(("finish", int(sched.rows.any_busy()), f.req.id))  # whether rows were decoding
         return prefill_done(f)
 
     sched._step, sched._fill_step, sched._prefill_done = logged_step, logged_fill_step, logged_prefill_done
     try:
-        short = smollm.tokenizer.encode_chat([{"role": "user", "content": "Count from one to forty."}])
+        short = smollm.tokenizer.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}])
         long = smollm.tokenizer.encode_chat([{"role": "system", "content": "Be brief. " + SYSTEM},
                                              {"role": "user", "content": "Can children pay fines?"}])
         _, short_text = _collect_request(sched, "short", short, 200)
@@ -288,8 +288,10 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_calls(sched, refere
     assert all(events[i][1] <= 64 for i in long_pieces)
     for a, b in zip(long_pieces, long_pieces[1:]):
         assert any(kind == "decode" for kind, _, _ in events[a + 1: b]), events  # the short stream kept going
-    # finishing the fill (first token, drafter start, insert) waits for the next call after the last piece
+    # while the short stream decodes, finishing the fill (first token, drafter start, insert) waits for
+    # the next call after the last piece
     [finish] = [i for i, (kind, _, name) in enumerate(events) if kind == "finish" and name == "long"]
+    assert events[finish][1] == 1, events  # the short stream (a 200-token story) was still decoding
     assert finish > long_pieces[-1] and any(kind == "decode" for kind, _, _ in events[long_pieces[-1] + 1: finish])
     for ids, max_new, got in ((short, 200, texts[0]), (long, 16, texts[1])):
         assert got == reference.generate(ids, max_new_tokens=max_new, temperature=0.0)[0].text

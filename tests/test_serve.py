@@ -188,9 +188,9 @@ def test_speculative_programs_only_where_rows_speculate(smollm, limit, max_batch
         want = ([sched.drafter] if b <= spec_bucket else []) + ([sched.plain] if limit is not None and b > limit else [])
         assert sched._decoders_at(b) == want, b
     if limit == 1:  # one busy row in a bucket of 4: plain rounds until the resize, which shrinks at once
-        sched._slots = [object(), None, None, None]
+        sched.rows.slots = [object(), None, None, None]
         assert not sched._speculates()
-        sched._slots = [object()]
+        sched.rows.slots = [object()]
         assert sched._speculates()
 
 

@@ -89,12 +89,12 @@ def test_one_lookup_continuation_is_the_best_of_several(seed, vocab, max_ngram):
 
 
 def test_lookup_policy_replay_counts_rounds_as_the_engine_would():
-    """``benchmarks/lookup_policy.py``'s replay: a chain is cut to what its match earns and accepted up to
+    """``experiments/lookup_policy.py``'s replay: a chain is cut to what its match earns and accepted up to
     its first wrong token; every round emits one more token than it accepted."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lookup_policy.py"
+    path = Path(__file__).resolve().parents[1] / "experiments" / "lookup_policy.py"
     spec = importlib.util.spec_from_file_location("lookup_policy_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -348,7 +348,8 @@ class ContinuousRecorder:
     ``finish`` (which may return the conversation's next turn) and free slots get freshly prefilled
     jobs (groups of ``PREFILL_SIZES`` rows, so few prefill shapes compile and none is padded). Finished
     rows still cost a slot in every round, so the batch starts no larger than its work needs and, once
-    the queue is empty, shrinks by 4x whenever the busy rows fit (``batch_sizes``)."""
+    the queue is empty, shrinks by 4x whenever the busy rows fit (``batch_sizes``). The rows are a
+    ``hsdjax.batch.RowPool``, as the server's."""
 
     def __init__(self, gen: Generator, *, batch: int, cache_size: int, max_new: int, temperature: float, seed: int,
                  refill_every: int, work: RecorderWork | None = None):
@@ -356,8 +357,7 @@ class ContinuousRecorder:
         self.work = work if work is not None else RecorderWork()
         self.batch, self.cache_size, self.max_new = batch, cache_size, max_new
         self.temperature, self.seed, self.refill_every = temperature, seed, refill_every
-        self.state: engine.DecodeState | None = None
-        self.slots: list[Job | None] = [None] * batch
+        self.rows: RowPool[Job] = RowPool(self.batch_sizes)
         self.deferred: list[Job] = []  # next turns that need a larger cache
 
     @property
@@ -367,9 +367,6 @@ class ContinuousRecorder:
         while sizes[-1] >= 4:
             sizes.append(sizes[-1] // 4)
         return sizes
-
-    def _size_for(self, rows: int) -> int:
-        return min((b for b in self.batch_sizes if b >= rows), default=self.batch)
 
     def fits(self, job: Job) -> bool:
         return len(job.ids) + self.max_new + self.drafter.spare + 1 <= self.cache_size
@@ -382,46 +379,26 @@ class ContinuousRecorder:
                 self._fill(queue)
             else:
                 queue.clear()
-            self._shrink(queue)
-            if all(j is None for j in self.slots):
+            if not queue:  # nothing left to admit: the busy rows move into the smallest size holding them
+                self.rows.shrink()
+            if not self.rows.any_busy():
                 break
             t0 = time.perf_counter()
-            self.state, _, _ = self.gen.decode_rows(self.state, self.refill_every)
+            self.rows.state, _, _ = self.gen.decode_rows(self.rows.state, self.refill_every)
             self.work.decode_s += time.perf_counter() - t0
-            self.work.slot_rounds += len(self.slots) * self.refill_every
+            self.work.slot_rounds += self.rows.size * self.refill_every
             self._collect(queue, finish)
-        self.state = None  # frees the batch's cache
-
-    def _shrink(self, queue: collections.deque[Job]) -> None:
-        """With nothing left to admit, move the busy rows into the smallest batch size that holds them."""
-        busy = [i for i, j in enumerate(self.slots) if j is not None]
-        size = self._size_for(len(busy))
-        if queue or self.state is None or not busy or size >= len(self.slots):
-            return
-        rows = np.full((size,), -1, np.int32)
-        rows[: len(busy)] = busy
-        self.state = engine.take_rows(self.state, jnp.asarray(rows))
-        self.slots = [self.slots[i] for i in busy] + [None] * (size - len(busy))
+        self.rows.clear()  # frees the batch's cache
 
     def _fill(self, queue: collections.deque[Job]) -> None:
-        if self.state is None:
-            self.slots = [None] * self._size_for(len(queue))
-        free = [i for i, j in enumerate(self.slots) if j is None]
-        while free and queue:
-            size = next(s for s in PREFILL_SIZES if s <= min(len(free), len(queue)))
+        """Prefill queued jobs into the free rows (a new batch starts at the size the queue needs)."""
+        start = self.rows.size_for(len(queue)) if self.rows.state is None else 0
+        room = start or len(self.rows.free())
+        while room and queue:
+            size = next(s for s in PREFILL_SIZES if s <= min(room, len(queue)))
             jobs = [queue.popleft() for _ in range(size)]
-            new = self._prefill(jobs)
-            if self.state is None:
-                rows = np.full((len(self.slots),), -1, np.int32)
-                rows[:size] = np.arange(size)
-                self.state = engine.take_rows(new, jnp.asarray(rows))
-                slots = list(range(size))
-            else:
-                slots = free[:size]
-                self.state = engine.insert_rows(self.state, new, jnp.asarray(slots, jnp.int32))
-            for i, job in zip(slots, jobs):
-                self.slots[i] = job
-            free = [i for i in free if i not in slots]
+            self.rows.place(self._prefill(jobs), jobs, at_least=start)
+            room -= size
 
     def _prefill(self, jobs: list[Job]) -> engine.DecodeState:
         """Prefill ``jobs`` (similar lengths: the queue is sorted) into a fresh state of len(jobs) rows."""
@@ -437,15 +414,15 @@ class ContinuousRecorder:
     def _collect(self, queue: collections.deque[Job], finish: Callable[[Job, dict[str, Any]], Job | None]) -> None:
         """Hand finished rows to ``finish``; their next turns go to the front of the queue (or, when they
         need a larger cache, to ``deferred``)."""
-        done = to_host(self.state.gen.done)
-        rows = [i for i, j in enumerate(self.slots) if j is not None and done[i]]
+        done = to_host(self.rows.state.gen.done)
+        rows = [i for i in self.rows.busy() if done[i]]
         if not rows:
             return
         n = engine.pick_bucket(len(rows), (1, 4, 16, 64, 256, 1024, 4096), "finished rows")
         idx = np.asarray(rows + [rows[0]] * (n - len(rows)), np.int32)
-        got = {k: to_host(v) for k, v in _gather_rows(self.state, jnp.asarray(idx)).items()}
+        got = {k: to_host(v) for k, v in _gather_rows(self.rows.state, jnp.asarray(idx)).items()}
         for k, i in enumerate(rows):
-            job, self.slots[i] = self.slots[i], None
+            job = self.rows.release(i)
             raw = {key: v[k] for key, v in got.items()}
             self.work.generated += int(raw["seq_len"]) - int(raw["prompt_len"])
             nxt = finish(job, raw)

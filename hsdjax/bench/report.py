@@ -25,6 +25,23 @@ def question_speed(rec: dict[str, Any]) -> float:
     return speed(sum(len(t) for t in rec["tokens"]), sum(rec["wall_time"]))
 
 
+def turn_speed(rec: dict[str, Any], turn: int) -> float | None:
+    """One turn's speed (new tokens over wall time); None where the question has no such turn."""
+    if turn >= len(rec["tokens"]):
+        return None
+    return speed(len(rec["tokens"][turn]), rec["wall_time"][turn])
+
+
+def decode_speed(rec: dict[str, Any]) -> float | None:
+    """Decode-only speed of one question: new tokens after each turn's first (which comes out of the
+    prefill) over the decode seconds, all turns; None for records without decode times."""
+    times = rec.get("decode_time")
+    tokens = sum(len(t) - 1 for t in rec["tokens"])
+    if not times or sum(times) <= 0 or tokens <= 0:
+        return None
+    return speed(tokens, sum(times))
+
+
 def speedup(speeds: Iterable[float], base: Iterable[float]) -> float:
     """Spec-Bench's speed-up: the ratio of the mean speeds."""
     return statistics.mean(speeds) / statistics.mean(base)
@@ -96,7 +113,34 @@ def summarize(raw: dict[str, list[dict[str, Any]]], external: set[str], greedy: 
                 rows[cat] = _summary_row(rs, base, method not in external, greedy)
         if greedy and method == "llamacpp-pld" and raw.get("llamacpp"):  # lossless against its own plain decoding?
             _identical_to(rows, recs, raw["llamacpp"], "identical_to_llamacpp")
-        out[method] = {"external": method in external, "by_category": rows}
+        out[method] = {"external": method in external, "by_category": rows,
+                       "alone": _decode_and_turns(recs, base)}
+    return out
+
+
+def _paired(recs: list[dict[str, Any]], base: dict[int, dict[str, Any]], fn: Any) -> tuple[list[float], list[float]]:
+    """``fn`` of each record and of ``ar``'s record of the same question, where both are defined."""
+    pairs = [(fn(r), fn(base[r["question_id"]])) for r in recs if r["question_id"] in base]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+def _decode_and_turns(recs: list[dict[str, Any]], base: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Over all questions: decode-only speed (prefill excluded) and its speed-up, the median of
+    per-question speed-ups, and the speed-up of each turn alone (Spec-Bench arithmetic within it)."""
+    out: dict[str, Any] = {}
+    own, ar = _paired(recs, base, decode_speed)
+    if own:
+        out["decode_tokens_per_s"] = statistics.mean(own)
+        out["decode_speedup_vs_ar"] = speedup(own, ar)
+    own, ar = _paired(recs, base, question_speed)
+    if own:
+        out["median_ratio_vs_ar"] = median_ratio(own, ar)
+    turns = max((len(r["tokens"]) for r in recs), default=0)
+    for t in range(turns):
+        own, ar = _paired(recs, base, lambda r, t=t: turn_speed(r, t))
+        if own:
+            out[f"turn_{t + 1}_speedup_vs_ar"] = speedup(own, ar)
     return out
 
 
@@ -210,9 +254,28 @@ def report_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             row = m["by_category"].get(cat)
             if row:
                 lines.append(_category_line(_label(method, m), cat, row))
+    lines += _alone_table(summary)
     for note in meta.get("notes", []):
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"
+
+
+def _alone_table(summary: dict[str, Any]) -> list[str]:
+    """Decode alone (prefill excluded), the median question and each turn alone, against ``ar``."""
+    turns = sorted({int(k.split("_")[1]) for m in summary.values() for k in m.get("alone", {})
+                    if k.startswith("turn_")})
+    if not any(m.get("alone") for m in summary.values()):
+        return []
+    lines = ["", "Decode alone (prefill excluded), the median of per-question speed-ups, and each turn alone "
+             "(Spec-Bench arithmetic within the turn):", "",
+             "| method | decode tokens/s | decode speed-up vs ar | median per-question speed-up | "
+             + " | ".join(f"turn {t} speed-up" for t in turns) + " |", "|" + " --- |" * (4 + len(turns))]
+    for method, m in summary.items():
+        a = m.get("alone", {})
+        lines.append(f"| {_label(method, m)} | {_fmt(a.get('decode_tokens_per_s'), '.1f')} | "
+                     f"{_fmt(a.get('decode_speedup_vs_ar'), '.2f', 'x')} | {_fmt(a.get('median_ratio_vs_ar'), '.2f', 'x')} | "
+                     + " | ".join(_fmt(a.get(f"turn_{t}_speedup_vs_ar"), ".2f", "x") for t in turns) + " |")
+    return lines
 
 
 def _category_line(name: str, cat: str, row: dict[str, Any]) -> str:

@@ -63,7 +63,8 @@ def question_key(q: Question) -> str:
 def raw_record(q: Question, turns: list[Turn]) -> dict[str, Any]:
     return {"question_id": q.question_id, "category": q.category, "key": question_key(q),
             "tokens": [t.tokens for t in turns],
-            "wall_time": [t.wall_time for t in turns], "accept_lengths": [t.accept_lengths for t in turns],
+            "wall_time": [t.wall_time for t in turns], "decode_time": [t.decode_s for t in turns],
+            "accept_lengths": [t.accept_lengths for t in turns],
             "target_passes": [t.target_passes for t in turns], "draft_passes": [t.draft_passes for t in turns],
             "drafter_states": [t.drafter_states for t in turns],
             "accepted_drafts": [t.accepted_drafts for t in turns],

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsdjax import engine
+from hsdjax.batch import RowPool
 from hsdjax.api import BATCH_BUCKETS, Generator, LoadedModel, token_logprobs
 from hsdjax.drafters.base import ARDrafter, Drafter
 from hsdjax.sampling import SamplingParams, effective_temperature
@@ -210,8 +211,7 @@ class Scheduler:
         self._waiting: collections.deque[GenRequest] = collections.deque()
         self._occupied = 0  # rows in use, plus requests taken off the queue and being prefilled
         self._stopping = False
-        self._state: engine.DecodeState | None = None
-        self._slots: list[Choice | None] = []
+        self.rows: RowPool[Choice] = RowPool(self.buckets)  # the running batch: each row's choice or None
         self._small_for = 0
         self.ready = threading.Event()
         self.failure: str | None = None
@@ -245,7 +245,7 @@ class Scheduler:
     def snapshot(self) -> dict[str, int]:
         with self._cond:
             waiting = sum(1 for r in self._waiting if not r.cancelled.is_set())
-            return {"active": self._occupied, "waiting": waiting, "slots": len(self._slots)}
+            return {"active": self._occupied, "waiting": waiting, "slots": self.rows.size}
 
     # ------------------------------------------------------------------ the thread
     def _main(self) -> None:
@@ -272,7 +272,7 @@ class Scheduler:
             try:
                 self._admit()
                 self._fill_some()
-                if self._slots and any(r is not None for r in self._slots):
+                if self.rows.any_busy():
                     self._step()
                 self._resize()
             except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
@@ -408,7 +408,7 @@ class Scheduler:
         first token is sent. While rows decode, finishing a fill (its first token, the drafter's start,
         inserting its rows) is a call's whole share: it runs at the next call after the last piece, and
         one per call, so a stream waits for one of them between two decode calls, never both."""
-        budget = self._prefill_budget() if any(c is not None for c in self._slots) else None
+        budget = self._prefill_budget() if self.rows.any_busy() else None
         placed: list[Filling] = []
         while self._filling and (budget is None or budget > 0):
             f = self._filling[0]
@@ -476,38 +476,18 @@ class Scheduler:
         r.send(("error", APIError(500, "the prefill failed; see the server log", type="server_error")))
 
     def _place(self, r: GenRequest, new: engine.DecodeState) -> None:
-        """Write ``r``'s prefilled rows into free rows of the running state (creating it, or growing
-        its batch bucket, when there is no room) and give each its ``Choice``."""
-        if self._state is None:
-            target = engine.pick_bucket(r.n, self.buckets, "a batch")
-            self._slots = [None] * target
-            rows = np.full((target,), -1, np.int32)
-            rows[: r.n] = np.arange(r.n)
-            same = target == r.n == new.gen.seq_len.shape[0]
-            self._state = new if same else engine.take_rows(new, jnp.asarray(rows))
-            free = list(range(r.n))
-        else:
-            busy = sum(c is not None for c in self._slots)
-            target = engine.pick_bucket(busy + r.n, self.buckets, "a batch")
-            if target > len(self._slots):  # grow the running batch first
-                b = len(self._slots)
-                grow = np.arange(target, dtype=np.int32)
-                grow[b:] = -1
-                self._state = engine.take_rows(self._state, jnp.asarray(grow))
-                self._slots += [None] * (target - b)
-            free = [i for i, c in enumerate(self._slots) if c is None][: r.n]
-            slots = free + [len(self._slots)] * (new.gen.seq_len.shape[0] - r.n)  # spare copies: dropped
-            self._state = engine.insert_rows(self._state, new, jnp.asarray(slots, jnp.int32))
+        """Write ``r``'s prefilled rows into free rows of the running batch (creating it, or growing
+        its batch bucket, when there is no room; spare copies beyond ``r.n`` are dropped), each with its
+        ``Choice``."""
         r.choices = [Choice(req=r, index=i, stream=TextStream(self.tokenizer, self.tokenizer.stop_ids, r.stops),
                             seen=len(r.prompt_ids)) for i in range(r.n)]
-        for i, c in zip(free, r.choices):
-            self._slots[i] = c
+        self.rows.place(new, r.choices)
         r.t_admitted = time.perf_counter()
 
     def _step(self) -> None:
         drafter = self.drafter if self._speculates() else self.plain
         t0 = time.perf_counter()
-        self._state = engine.decode(self.params, self.dparams, self._state, jnp.int32(self.rounds), cfg=self.cfg,
+        self.rows.state = engine.decode(self.params, self.dparams, self.rows.state, jnp.int32(self.rounds), cfg=self.cfg,
                                     drafter=drafter)
         self.metrics.decode_call(drafter.name)
         self._collect()  # reads the new tokens: waits for the call
@@ -526,19 +506,19 @@ class Scheduler:
         ``spec_max_active`` rows are busy and the bucket compiled the speculative program."""
         if self.plain is None:
             return True
-        busy = sum(c is not None for c in self._slots) if busy is None else busy
-        bucket = len(self._slots) if bucket is None else bucket
+        busy = len(self.rows.busy()) if busy is None else busy
+        bucket = self.rows.size if bucket is None else bucket
         return busy <= self.spec_max_active and bucket <= self.spec_bucket
 
     def _collect(self) -> None:
         """Hand each row's new tokens to its choice; free rows that finished or were cancelled."""
-        gen = self._state.gen
+        gen = self.rows.state.gen
         seq_len = np.asarray(gen.seq_len)
         done = np.asarray(gen.done)
         host = _HostView(gen)
         stop_rows = []
         now = time.perf_counter()
-        for i, c in enumerate(self._slots):
+        for i, c in enumerate(self.rows.slots):
             if c is None:
                 continue
             r = c.req
@@ -558,7 +538,7 @@ class Scheduler:
         if stop_rows:  # rows freed early (stop string, client gone) stop computing
             mask = np.zeros(done.shape, bool)
             mask[stop_rows] = True
-            self._state = self._state.replace(gen=gen.replace(done=gen.done | jnp.asarray(mask)))
+            self.rows.state = self.rows.state.replace(gen=gen.replace(done=gen.done | jnp.asarray(mask)))
 
     def _advance(self, c: Choice, row: int, end: int, row_done: bool, host: _HostView
                  ) -> tuple[str, list[tuple[Any, int]]]:
@@ -594,10 +574,9 @@ class Scheduler:
 
     def _release(self, i: int, reason: str) -> None:
         """Free row ``i``; its choice ends with ``reason``, the request once its last choice has."""
-        c = self._slots[i]
-        self._slots[i] = None
+        c = self.rows.release(i)
         stats = jax.tree_util.tree_map(lambda a: a[i], self._stats_np())
-        c.decoded = int(np.asarray(self._state.gen.seq_len)[i]) - len(c.req.prompt_ids) - 1
+        c.decoded = int(np.asarray(self.rows.state.gen.seq_len)[i]) - len(c.req.prompt_ids) - 1
         c.passes, c.draft_passes = int(stats.target_passes), int(stats.draft_passes)
         c.finish_reason = reason
         with self._cond:
@@ -610,7 +589,7 @@ class Scheduler:
         self._finish(r, "cancelled" if r.cancelled.is_set() else r.choices[0].finish_reason)
 
     def _stats_np(self) -> Any:
-        return jax.tree_util.tree_map(np.asarray, self._state.stats)
+        return jax.tree_util.tree_map(np.asarray, self.rows.state.stats)
 
     def _finish(self, r: GenRequest, reason: str) -> None:
         """The request is over: count it and send ``done`` (its choices, usage summed over them)."""
@@ -640,34 +619,33 @@ class Scheduler:
     def _resize(self) -> None:
         """Drop the state when no row is busy; shrink to a smaller batch bucket once the busy rows
         have fitted in it for ``shrink_after`` consecutive steps and nothing waits."""
-        busy = [i for i, c in enumerate(self._slots) if c is not None]
+        busy = len(self.rows.busy())
         if not busy:
-            self._state, self._slots, self._small_for = None, [], 0
+            self.rows.clear()
+            self._small_for = 0
             return
-        target = engine.pick_bucket(len(busy), self.buckets, "a batch")
+        target = self.rows.size_for(busy)
         with self._cond:
             waiting = bool(self._waiting)
-        if target >= len(self._slots) or waiting:
+        if target >= self.rows.size or waiting:
             self._small_for = 0
             return
         self._small_for += 1
         # rows that would speculate in a smaller bucket go there at once (larger ones run plain rounds)
-        to_speculate = self.plain is not None and self._speculates(len(busy), target)
+        to_speculate = self.plain is not None and self._speculates(busy, target)
         if self._small_for < self._shrink_after and not to_speculate:
             return
-        rows = np.full((target,), -1, np.int32)
-        rows[: len(busy)] = busy
-        self._state = engine.take_rows(self._state, jnp.asarray(rows))
-        self._slots = [self._slots[i] for i in busy] + [None] * (target - len(busy))
+        self.rows.shrink(target)
         self._small_for = 0
 
     def _fail_all(self, exc: Exception | None) -> None:
         err = (APIError(500, "generation failed; see the server log", type="server_error") if exc is not None
                else APIError(503, "the server is shutting down", type="server_error"))
-        running = [c.req for c in self._slots if c is not None] + [f.req for f in self._filling]
+        running = [c.req for c in self.rows.slots if c is not None] + [f.req for f in self._filling]
         for r in dict.fromkeys(running):
             self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
             r.send(("error", err))
         with self._cond:
             self._occupied = 0
-        self._state, self._slots, self._filling = None, [], collections.deque()
+        self.rows.clear()
+        self._filling = collections.deque()

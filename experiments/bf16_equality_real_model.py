@@ -1,7 +1,7 @@
 """How often greedy speculative output differs from `ar`'s in bfloat16, and where the first difference falls.
 
-    python benchmarks/bf16_equality.py                       # 1 question per dev set, 64 new tokens
-    python benchmarks/bf16_equality.py --limit 4 --max-new-tokens 128 --methods pld,hsd,eagle,sps --json
+    python experiments/bf16_equality_real_model.py                       # 1 question per dev set, 64 new tokens
+    python experiments/bf16_equality_real_model.py --limit 4 --max-new-tokens 128 --methods pld,hsd,eagle,sps --json
 
 In float32 every method's greedy output equals `ar`'s token for token (the test suite asserts it). In
 bfloat16 it need not: a tree pass computes the same logits as `ar`'s one-token step through matmuls of
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = dev_set_prompts(Generator(load_model(args.model), "ar"), args.questions_dir, args.limit,
                               args.max_new_tokens)
     out: dict[str, Any] = {
-        "command": " ".join(["python", "benchmarks/bf16_equality.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python", "experiments/bf16_equality_real_model.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": platform.processor() or platform.machine(), "max_new_tokens": args.max_new_tokens,
         "prompts": [label for label, _ in prompts], "dtypes": {}}
     for dtype in args.dtypes.split(","):

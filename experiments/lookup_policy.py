@@ -1,6 +1,6 @@
 """How long a prompt-lookup chain should be: a replay of lookup drafting over greedy answers.
 
-    python benchmarks/lookup_policy.py --per-source 3 --max-new-tokens 256 --costs /tmp/rc.json
+    python experiments/lookup_policy.py --per-source 3 --max-new-tokens 256 --costs /tmp/rc.json
 
 Greedy answers are generated once with `ar` (training prompts from ``../shared/data/train``, a few per
 source, none from the dev sets; ``--dev`` adds the dev sets' answers as a separate, held-out group).

@@ -7,7 +7,7 @@ drafter in the decoding loop (``--lookup 0``, depth 1) on the same question. If 
 acceptance matches the training metric's step 1 on the same text, inference reproduces training and
 acceptance is limited by the drafter itself:
 
-    python benchmarks/drafter_gap.py --method hsd --limit 2 --max-new-tokens 128 [--drafter PATH]
+    python experiments/drafter_gap.py --method hsd --limit 2 --max-new-tokens 128 [--drafter PATH]
 
 It also splits the first draft's acceptance by what the round before emitted (one token: its draft
 was rejected; two: accepted), in the loop (``accept_lengths``) and in the training metric replayed as
