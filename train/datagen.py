@@ -36,6 +36,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from hsdjax import engine, sharding
+from hsdjax.batch import RowPool
 from hsdjax.api import Generator
 from hsdjax.drafters.base import ARDrafter
 from hsdjax.drafters.checkpoint import frozen_from_target
