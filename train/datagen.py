@@ -36,8 +36,8 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from hsdjax import engine, sharding
-from hsdjax.batch import RowPool
 from hsdjax.api import Generator
+from hsdjax.batch import RowPool
 from hsdjax.drafters.base import ARDrafter
 from hsdjax.drafters.checkpoint import frozen_from_target
 from hsdjax.errors import HsdjaxError

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsdjax import engine
-from hsdjax.batch import RowPool
 from hsdjax.api import BATCH_BUCKETS, Generator, LoadedModel, token_logprobs
+from hsdjax.batch import RowPool
 from hsdjax.drafters.base import ARDrafter, Drafter
 from hsdjax.sampling import SamplingParams, effective_temperature
 from hsdjax.serving.metrics import Metrics
