@@ -69,7 +69,7 @@ env = {"python": platform.python_version(), "jax": jax.__version__, "backend": j
        "devices": [str(d) for d in jax.devices()], "device_kind": jax.devices()[0].device_kind,
        "cores": os.cpu_count(), "model": model}
 try:
-    from hsdjax import registry
+    from hsdjax.runtime import registry
     env["model_installed"] = bool(registry.is_installed(model))
 except Exception as e:  # noqa: BLE001
     env["model_installed"] = False
@@ -197,7 +197,7 @@ KNOWN_CONFIGS = round_cost.KNOWN_CONFIGS
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16
 if installed:
-    from hsdjax import registry
+    from hsdjax.runtime import registry
     from transformers import AutoModelForCausalLM
     src = registry.resolve(model_name, check=False)
     kw = {"gguf_file": src.path.name} if src.kind == "gguf" else {}

@@ -6,7 +6,7 @@
 Both engines get the same prompt (chat template applied) and the same weights (transformers loads the
 same GGUF file and dequantizes it), decode greedily, batch 1. hsdjax runs in this process (its default
 dtype: float32 on CPU); each transformers dtype runs in its own long-lived subprocess
-(``hsdjax.peers``) so that memory stays bounded and torch's thread pool does not compete
+(``hsdjax.frontends.peers``) so that memory stays bounded and torch's thread pool does not compete
 with XLA's inside one process. Each engine is warmed up once (hsdjax: compilation), then the repeats are
 interleaved, the order rotated each repeat, so drift of a shared machine hits every engine alike.
 
@@ -112,11 +112,11 @@ class HsdjaxEngine:
 
 
 class TransformersEngine:
-    """A transformers peer (``hsdjax.peers``, its own subprocess), started at once; see ``wait_ready``."""
+    """A transformers peer (``hsdjax.frontends.peers``, its own subprocess), started at once; see ``wait_ready``."""
 
     def __init__(self, model: str, dtype: str, threads: int, eos: Sequence[int], name: str = "transformers",
                  peer: str = "hf-ar", draft: str | None = None):
-        from hsdjax.peers import Peer
+        from hsdjax.frontends.peers import Peer
 
         self.name, self.dtype = name, dtype
         self.peer = Peer(peer, model, eos, dtype=dtype, threads=threads, draft=draft)
@@ -254,8 +254,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from hsdjax import registry
-    from hsdjax.api import Generator, load_model
+    from hsdjax.frontends.api import Generator, load_model
+    from hsdjax.runtime import registry
 
     source = registry.resolve(args.model)  # a clear HsdjaxError when the model isn't installed
     load_start = os.getloadavg()[0]

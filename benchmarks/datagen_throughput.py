@@ -34,7 +34,7 @@ DEFAULT_CONFIG = ROOT / "configs" / "drafter-smollm2-135m-hsd.json"
 
 
 def measure_ar(model, max_new: int) -> float:
-    from hsdjax.api import Generator
+    from hsdjax.frontends.api import Generator
 
     gen = Generator(model, "ar")
     prompt = "Explain how a hash map works and when to use one."
@@ -116,7 +116,7 @@ def main() -> None:
 
     import jax
 
-    from hsdjax.api import load_model
+    from hsdjax.frontends.api import load_model
 
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 

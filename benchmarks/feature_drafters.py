@@ -16,7 +16,7 @@ LABEL=METHOD[,depth=D,width=W,budget=B]:CHECKPOINT`` adds a method with another 
 (``-``: the shipped one) and tree under its own label (ablations side by side). ``--acceptance-only``
 skips the pass-cost timing and leaves the speed figures out: acceptance and the identity check do not
 depend on timing, so such a run may share the CPUs with other work. Question reading, the runners,
-the interleaving and the arithmetic are ``hsdjax.bench``'s.
+the interleaving and the arithmetic are ``hsdjax.frontends.bench``'s.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ DEPTHS_SHOWN = 10  # acceptance per depth: at least this many depths
 def make_runner(model: Any, spec: str, opts: dict[str, Any], label: str | None = None) -> Any:
     """A runner for ``METHOD[:POLICY]`` (named ``label`` if given: a variant, whose options reach any
     method); the shared options reach the feature drafters only."""
-    from hsdjax.api import Generator
-    from hsdjax.bench.runners import LocalMethod
-    from hsdjax.methods import FEATURE_METHODS, options_for
+    from hsdjax.core.methods import FEATURE_METHODS, options_for
+    from hsdjax.frontends.api import Generator
+    from hsdjax.frontends.bench.runners import LocalMethod
 
     method, _, policy = spec.partition(":")
     opts = dict(opts)
@@ -64,7 +64,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
              "min_prob=P,grow_prob=P,draft_length=L,ahead=A,policy=P,head=full]:CHECKPOINT|-")
     if not (eq and colon and label and method in ("ar", "hsd", "eagle", "sps", "pld") and path):
         raise SystemExit(usage)
-    from hsdjax.methods import OPTION_BY_NAME
+    from hsdjax.core.methods import OPTION_BY_NAME
 
     opts: dict[str, Any] = {}
     for pair in pairs:  # converted by the option's kind; ranges are checked where the drafter is made
@@ -91,7 +91,7 @@ def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
 
 def dev_prompts(ar: Any, limit: int, max_new: int) -> list[tuple[str, list[int]]]:
     """(``set/tTURN``, token ids) for the first ``limit`` questions of each dev set and turn."""
-    from hsdjax.bench.questions import dev_set_prompts
+    from hsdjax.frontends.bench.questions import dev_set_prompts
 
     return dev_set_prompts(ar, DEV, limit, max_new)
 
@@ -99,7 +99,7 @@ def dev_prompts(ar: Any, limit: int, max_new: int) -> list[tuple[str, list[int]]
 def run_interleaved(runners: list[Any], prompts: list[tuple[str, list[int]]], max_new: int
                     ) -> dict[str, list[dict[str, Any]]]:
     """Per runner, a row per prompt (set, tokens, decode seconds, the engine's counters); compiled first."""
-    from hsdjax.bench.runners import rotations, warm_up
+    from hsdjax.frontends.bench.runners import rotations, warm_up
 
     warm_up(runners, lambda r: r.turn(prompts[0][1], max_new))
     rows: dict[str, list[dict[str, Any]]] = {r.name: [] for r in runners}
@@ -115,7 +115,7 @@ def acceptance_after_previous(rs: list[dict[str, Any]], depths: int, top: int = 
     """Acceptance per depth split by what the round before emitted (1: every draft rejected; 2: one
     draft accepted, ...; ``top`` or more pooled): with a chain kept across rounds, which states a tree
     reads depends on the previous round, so a fault in kept states shows up in one bucket only."""
-    from hsdjax.bench.report import acceptance_given_reach, count_rounds
+    from hsdjax.frontends.bench.report import acceptance_given_reach, count_rounds
 
     groups: dict[int, list[int]] = {}
     for r in rs:
@@ -128,9 +128,16 @@ def acceptance_after_previous(rs: list[dict[str, Any]], depths: int, top: int = 
 
 def summarize(rs: list[dict[str, Any]], base: list[dict[str, Any]], costs: dict[int, float]) -> dict[str, Any]:
     """One method's figures against ``ar`` (``base``), with the step-time split from the pass ``costs``."""
-    from hsdjax.bench.report import (acceptance_given_reach, accepted_length, by_set, count_rounds, median_ratio,
-                                     speed, speedup)
-    from hsdjax.tune import interpolate
+    from hsdjax.frontends.bench.report import (
+        acceptance_given_reach,
+        accepted_length,
+        by_set,
+        count_rounds,
+        median_ratio,
+        speed,
+        speedup,
+    )
+    from hsdjax.frontends.tune import interpolate
 
     toks = sum(len(r["tokens"]) - 1 for r in rs)
     dec = [speed(len(r["tokens"]) - 1, r["decode_s"]) for r in rs]
@@ -227,8 +234,8 @@ def vocab_coverage(folder: Path, base: list[dict[str, Any]], sizes: tuple[int, .
 
 
 def main() -> int:
-    from hsdjax.api import enable_compilation_cache, load_model
-    from hsdjax.tune import pass_cost
+    from hsdjax.frontends.api import enable_compilation_cache, load_model
+    from hsdjax.frontends.tune import pass_cost
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")

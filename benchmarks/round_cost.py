@@ -115,8 +115,8 @@ def progress(msg: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _fixed_tree_drafter_class():
-    from hsdjax.drafters.base import Drafter, DraftCost
-    from hsdjax.tree import DraftTree
+    from hsdjax.core.drafters.base import DraftCost, Drafter
+    from hsdjax.core.tree import DraftTree
 
     @dataclasses.dataclass(frozen=True)
     class FixedTreeDrafter(Drafter):
@@ -189,14 +189,14 @@ class Target:
 
 
 def random_config(args: argparse.Namespace):
-    from hsdjax.config import ModelConfig
+    from hsdjax.runtime.config import ModelConfig
 
     if args.config:
         return ModelConfig(**json.loads(Path(args.config).read_text()))
     if args.model in KNOWN_CONFIGS:
         return ModelConfig(**KNOWN_CONFIGS[args.model])
-    from hsdjax import registry
-    from hsdjax.weights import load_weights
+    from hsdjax.runtime import registry
+    from hsdjax.runtime.weights import load_weights
 
     source = registry.resolve(args.model)  # a clear error when it is neither known nor installed
     cfg, _, _ = load_weights(source.path, source.kind, "random-shapes")
@@ -207,13 +207,13 @@ def make_target(args: argparse.Namespace) -> Target:
     import jax
     import jax.numpy as jnp
 
-    from hsdjax.api import default_dtype, default_layer_loop, load_model
+    from hsdjax.frontends.api import default_dtype, default_layer_loop, load_model
 
     layer_loop = args.layer_loop or default_layer_loop()
     if not args.random_weights:
         model = load_model(args.model, dtype=args.dtype, layer_loop=layer_loop, cache_dtype=args.kv_cache)
         return Target(model.name, model.cfg, model.params, False, model, model.fingerprint)
-    from hsdjax.model import init_params, unstack_layers
+    from hsdjax.runtime.model import init_params, unstack_layers
 
     dtype = args.dtype or default_dtype()
     cfg = random_config(args).replace(dtype=dtype, scan_layers=layer_loop == "scan", cache_dtype=args.kv_cache)
@@ -226,15 +226,15 @@ def make_target(args: argparse.Namespace) -> Target:
 
 def feature_drafter(target: Target, method: str, seed: int = 0) -> tuple[Any, Any]:
     """The shipped ``hsd`` / ``eagle`` drafter (real weights), or one of its shape with random params."""
-    from hsdjax.methods import DEFAULTS, make_drafter
-    from hsdjax.methods import feature_drafter as build_feature_drafter
+    from hsdjax.core.methods import DEFAULTS, make_drafter
+    from hsdjax.core.methods import feature_drafter as build_feature_drafter
 
     if not target.random:
         return make_drafter(method, target.model)
     import jax
 
-    from hsdjax.drafters.checkpoint import bind, read_meta, shipped_path
-    from hsdjax.drafters.feature import FeatureConfig, init_net
+    from hsdjax.core.drafters.checkpoint import bind, read_meta, shipped_path
+    from hsdjax.core.drafters.feature import FeatureConfig, init_net
 
     mc = target.cfg
     shipped = shipped_path(target.name, method)
@@ -271,11 +271,11 @@ def float32_panels(dparams: Any) -> Any:
 
 
 def pld_drafter(target: Target) -> tuple[Any, Any]:
-    from hsdjax.methods import DEFAULTS, make_drafter
+    from hsdjax.core.methods import DEFAULTS, make_drafter
 
     if not target.random:
         return make_drafter("pld", target.model)
-    from hsdjax.drafters.pld import PromptLookupDrafter
+    from hsdjax.core.drafters.pld import PromptLookupDrafter
 
     return PromptLookupDrafter(**DEFAULTS["pld"]), ()
 
@@ -328,8 +328,8 @@ class Bench:
         import jax
         import jax.numpy as jnp
 
-        from hsdjax import engine
-        from hsdjax.sampling import SamplingParams
+        from hsdjax.core import engine
+        from hsdjax.core.sampling import SamplingParams
 
         key = (n_prompt, cache_size, keep_layers, max_new, stop_ids)
         if key in self._prefills:
@@ -354,7 +354,7 @@ class Bench:
         import jax
         import jax.numpy as jnp
 
-        from hsdjax import engine
+        from hsdjax.core import engine
 
         gen, fwd = self.prefill(n_prompt, cache_size, keep_layers, **prefill_opts)
         state0 = engine.start_decoding(dparams, gen, fwd, drafter=drafter)
@@ -415,8 +415,8 @@ def _drafter_loop_fn():
     import jax
     import jax.numpy as jnp
 
-    from hsdjax.drafters.base import TargetStates
-    from hsdjax.verify import Verdict
+    from hsdjax.core.drafters.base import TargetStates
+    from hsdjax.core.verify import Verdict
 
     @partial(jax.jit, static_argnames=("drafter", "rounds", "vocab"))
     def drafter_loop(dparams, draft, gen, layers_pool, hidden_pool, accept, *, drafter, rounds, vocab):
@@ -489,7 +489,7 @@ def time_drafter_alone(bench: Bench, p: Program) -> dict[str, Any]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
-    from hsdjax.drafters.base import ARDrafter
+    from hsdjax.core.drafters.base import ARDrafter
 
     load_start = os.getloadavg()[0]
     t_all = time.perf_counter()
@@ -604,8 +604,8 @@ def split_feature(bench: Bench, p: Program, tp: Program, table: list, ar_info: d
 
 def speeds(bench: Bench, args: argparse.Namespace, target: Target) -> dict[str, Any]:
     """End-to-end decode tokens/s of each method: ``--max-new`` tokens after the ``--context`` prompt."""
-    from hsdjax import engine
-    from hsdjax.drafters.base import ARDrafter
+    from hsdjax.core import engine
+    from hsdjax.core.drafters.base import ARDrafter
 
     out: dict[str, Any] = {}
     progs = []
@@ -715,8 +715,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from hsdjax.api import enable_compilation_cache
     from hsdjax.errors import HsdjaxError
+    from hsdjax.frontends.api import enable_compilation_cache
 
     enable_compilation_cache()
     try:

@@ -76,7 +76,7 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, method: str, spec_max_active: str | None, *extra: str
                  ) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "hsdjax.cli", "serve", "--port", str(port), "--method", method,
+    cmd = [sys.executable, "-m", "hsdjax.frontends.cli", "serve", "--port", str(port), "--method", method,
            "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
            "--max-context", str(args.max_context), "--rounds", str(args.rounds), "--log-level", "warning", *extra]
     if args.model:

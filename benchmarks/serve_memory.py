@@ -32,7 +32,7 @@ MB = 2**20
 
 def resident_mb() -> float:
     """RSS after handing free C heap back (what the server does at ready and when idle)."""
-    from hsdjax.serving.scheduler import release_free_heap
+    from hsdjax.frontends.serving.scheduler import release_free_heap
 
     release_free_heap()
     with open("/proc/self/statm") as f:
@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from hsdjax import serve
-    from hsdjax.api import enable_compilation_cache, load_model
-    from hsdjax.serving.metrics import Metrics
-    from hsdjax.serving.scheduler import Scheduler
+    from hsdjax.frontends import serve
+    from hsdjax.frontends.api import enable_compilation_cache, load_model
+    from hsdjax.frontends.serving.metrics import Metrics
+    from hsdjax.frontends.serving.scheduler import Scheduler
 
     enable_compilation_cache()
     stage("import")

@@ -26,7 +26,7 @@ def teacher_forced_logprobs(model: Any, seq: list[int]) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from hsdjax.model import Transformer, causal_mask
+    from hsdjax.runtime.model import Transformer, causal_mask
 
     t = len(seq)
     net = Transformer(model.cfg)
@@ -45,10 +45,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def main() -> int:
     import numpy as np
-
     from feature_drafters import dev_prompts  # (experiments put benchmarks/ on sys.path)
-    from hsdjax.api import Generator, enable_compilation_cache, load_model
-    from hsdjax.bench.runners import LocalMethod
+
+    from hsdjax.frontends.api import Generator, enable_compilation_cache, load_model
+    from hsdjax.frontends.bench.runners import LocalMethod
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")

@@ -30,8 +30,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def measure(family: str, dtype: str, n_prompts: int, max_new: int, seed: int = 0) -> dict[str, dict[str, float]]:
-    from hsdjax.drafters.pld import PromptLookupDrafter
-    from hsdjax.model import init_params
+    from hsdjax.core.drafters.pld import PromptLookupDrafter
+    from hsdjax.runtime.model import init_params
     from tests.conftest import TINY_LLAMA, TINY_QWEN, run_engine
     from tests.test_feature_drafters import feature_drafter
 

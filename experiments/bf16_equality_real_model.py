@@ -7,7 +7,7 @@ In float32 every method's greedy output equals `ar`'s token for token (the test 
 bfloat16 it need not: a tree pass computes the same logits as `ar`'s one-token step through matmuls of
 another shape, whose bfloat16 rounding differs, so where the two best tokens are nearly tied the
 argmax can flip, and the outputs part from there on. This script counts it on the dev prompts
-(``hsdjax.bench.questions.DEV_SETS``: mt_bench turns 1 and 2, gsm8k, humaneval, alpaca; the first
+(``hsdjax.frontends.bench.questions.DEV_SETS``: mt_bench turns 1 and 2, gsm8k, humaneval, alpaca; the first
 ``--limit`` questions of each), batch 1, greedy: per method and dtype, how many prompts' outputs differ
 from the same dtype's `ar`, the index of the first differing new token (0-based) of each, and the share
 of all new tokens generated before the first difference. float32 is the control: any difference there
@@ -55,7 +55,7 @@ def compare(base: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
 def run_dtype(model_name: str, dtype: str, methods: list[str], prompts: list[tuple[str, list[int]]],
               max_new: int, cpu_matmul: str | None) -> dict[str, Any]:
     """Greedy outputs of `ar` and ``methods`` in ``dtype`` (batch 1, one prompt at a time), compared."""
-    from hsdjax.api import Generator, load_model
+    from hsdjax.frontends.api import Generator, load_model
 
     model = load_model(model_name, dtype=dtype, cpu_matmul=cpu_matmul)
     outputs: dict[str, list[list[int]]] = {}
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if "ar" in methods:
         ap.error("--methods: `ar` is the baseline, name only speculative methods")
 
-    from hsdjax.api import Generator, load_model
-    from hsdjax.bench.questions import dev_set_prompts
+    from hsdjax.frontends.api import Generator, load_model
+    from hsdjax.frontends.bench.questions import dev_set_prompts
 
     t0 = time.perf_counter()
     prompts = dev_set_prompts(Generator(load_model(args.model), "ar"), args.questions_dir, args.limit,

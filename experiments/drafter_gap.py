@@ -65,7 +65,7 @@ def lookup_drafts(tokens: np.ndarray, lengths: tuple[int, ...] = GRAFT_LENGTHS) 
     for the tokens from t + 2 on (the first draft made at t is for t + 2). Returns its class per position
     (0: no match, 1: its first token is wrong, 2: right) and how many of its tokens are right in a row.
     The last two positions (no token at t + 2) are 0."""
-    from hsdjax.drafters.pld import lookup_by_match
+    from hsdjax.core.drafters.pld import lookup_by_match
 
     n = len(tokens)
     classes, hits = np.zeros(n, np.int8), np.zeros(n, np.int32)
@@ -120,9 +120,9 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="a drafter checkpoint (default: the shipped one)")
     args = ap.parse_args()
 
-    from hsdjax.api import Generator, load_model
-    from hsdjax.bench.questions import read_questions
-    from hsdjax.drafters.checkpoint import frozen_from_target, load_drafter, shipped_path
+    from hsdjax.core.drafters.checkpoint import frozen_from_target, load_drafter, shipped_path
+    from hsdjax.frontends.api import Generator, load_model
+    from hsdjax.frontends.bench.questions import read_questions
     from hsdjax.train.datagen import generate_recorded, recording_generator
     from hsdjax.train.train import WindowData, rollout_loss
 

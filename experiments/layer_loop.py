@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from hsdjax.api import Generator, load_model
+from hsdjax.frontends.api import Generator, load_model
 
 
 def measure(model_name: str, layer_loop: str, tokens: int, repeats: int) -> tuple[float, float, list[int]]:

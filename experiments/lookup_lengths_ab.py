@@ -2,7 +2,7 @@
 
     python experiments/lookup_lengths_ab.py --method pld --a 0,1,1,3 --b 0,1,1,2 [--limit 2 --max-new-tokens 192]
 
-The dev-set prompts (``hsdjax.bench.questions.dev_set_prompts``: the first ``--limit`` questions of each
+The dev-set prompts (``hsdjax.frontends.bench.questions.dev_set_prompts``: the first ``--limit`` questions of each
 set and turn), decoded greedily with `ar`, with ``--method`` at lookup lengths ``--a`` and at ``--b``.
 Each program is compiled first; then ``--repeats`` passes over the prompts, the three runs of one prompt
 back to back in a rotated order, so the drift of a shared machine hits them alike. Printed: decode tokens/s
@@ -17,8 +17,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from hsdjax.api import Generator, load_model
-from hsdjax.bench.questions import dev_set_prompts
+from hsdjax.frontends.api import Generator, load_model
+from hsdjax.frontends.bench.questions import dev_set_prompts
 from hsdjax.kernels import cpu_matmul
 
 EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"

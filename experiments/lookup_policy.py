@@ -46,7 +46,7 @@ def training_prompts(per_source: int, seed: int) -> list[tuple[str, str]]:
 
 def greedy_answers(model: Any, prompts: list[list[int]], max_new: int, batch: int) -> list[list[int]]:
     """Each prompt's greedy answer (token ids, generated with `ar` in batches)."""
-    from hsdjax.api import Generator
+    from hsdjax.frontends.api import Generator
 
     gen = Generator(model, "ar")
     out: list[list[int]] = []
@@ -64,7 +64,7 @@ def lookup_table(prompt: list[int], answer: list[int], depth: int, max_ngram: in
     (0: none), and how many of the chain equal the answer's continuation (``accepted``)."""
     import jax.numpy as jnp
 
-    from hsdjax.drafters.pld import lookup_continuations
+    from hsdjax.core.drafters.pld import lookup_continuations
 
     seq = np.array(prompt + answer, np.int32)
     lengths = np.arange(len(prompt) + 1, len(seq), dtype=np.int32)
@@ -188,14 +188,14 @@ def load_or_generate(args: Any) -> dict[str, list[tuple[list[int], list[int]]]]:
     """{"train": [(prompt ids, answer ids)], "dev": [...]} from the cache file or generated now."""
     if args.answers and Path(args.answers).exists():
         return {k: [tuple(x) for x in v] for k, v in json.loads(Path(args.answers).read_text()).items()}
-    from hsdjax.api import Generator, load_model
+    from hsdjax.frontends.api import Generator, load_model
 
     model = load_model(args.model)
     enc = Generator(model, "ar")
     train = [enc.encode_prompt(p) for _, p in training_prompts(args.per_source, args.seed)]
     groups = {"train": list(zip(train, greedy_answers(model, train, args.max_new_tokens, args.batch)))}
     if args.dev:
-        from hsdjax.bench.questions import dev_set_prompts
+        from hsdjax.frontends.bench.questions import dev_set_prompts
 
         folder = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval"  # beside the checkout
         dev = [ids for _, ids in dev_set_prompts(enc, folder, 2, args.max_new_tokens)]

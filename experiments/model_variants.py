@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     import dataclasses
 
     import numpy as np
-
     import round_cost as rc
-    from hsdjax.api import enable_compilation_cache, load_model
-    from hsdjax.drafters import ARDrafter
+
+    from hsdjax.core.drafters import ARDrafter
+    from hsdjax.frontends.api import enable_compilation_cache, load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compare", choices=sorted(VARIANTS), default="fused")

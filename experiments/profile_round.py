@@ -49,9 +49,9 @@ def op_totals(trace_dir: str) -> tuple[collections.Counter, collections.Counter,
 
 def main(argv: list[str] | None = None) -> int:
     import jax
-
     import round_cost as rc
-    from hsdjax.drafters import ARDrafter
+
+    from hsdjax.core.drafters import ARDrafter
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

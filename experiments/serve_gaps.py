@@ -55,7 +55,7 @@ def instrument(sched: Any, log: list[tuple[str, float, float]]) -> None:
 
 
 def request(sched: Any, ids: list[int], max_new: int) -> tuple[Any, Sink]:
-    from hsdjax.serving.scheduler import GenRequest
+    from hsdjax.frontends.serving.scheduler import GenRequest
 
     sink = Sink()
     r = GenRequest(id=f"r{time.perf_counter_ns()}", prompt_ids=ids, max_new=max_new, temperature=0.0, top_p=1.0,
@@ -78,8 +78,8 @@ def main() -> None:
     p.add_argument("--prefill-chunk", type=int, default=None)
     args = p.parse_args()
 
-    from hsdjax.api import enable_compilation_cache, load_model
-    from hsdjax.serving.scheduler import Scheduler
+    from hsdjax.frontends.api import enable_compilation_cache, load_model
+    from hsdjax.frontends.serving.scheduler import Scheduler
 
     enable_compilation_cache()
     model = load_model(args.model)

@@ -3,7 +3,7 @@
     python experiments/sharding_hlo.py                                    # tiny-8kv and smollm2-135m, ar and pld
     python experiments/sharding_hlo.py --config smollm2-135m --method pld --mesh data=1,model=8 --batch 4
 
-Lowers and compiles ``hsdjax.engine.decode`` (and ``prefill``) for a model's *shapes* on a CPU mesh of
+Lowers and compiles ``hsdjax.core.engine.decode`` (and ``prefill``) for a model's *shapes* on a CPU mesh of
 forced host devices (``--xla_force_host_platform_device_count``; no weights are materialised), reads
 the partitioned HLO text and counts all-reduce / all-gather / reduce-scatter / collective-permute /
 all-to-all instructions, with the bytes each moves per device, inside one round of the decode
@@ -227,12 +227,13 @@ def lower_decode(preset: str, method: str, mesh_spec: str, batch: int, cache: in
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from hsdjax import engine, sharding
-    from hsdjax.config import ModelConfig
-    from hsdjax.drafters import ARDrafter
-    from hsdjax.drafters.pld import PromptLookupDrafter
-    from hsdjax.model import init_params
-    from hsdjax.sampling import SamplingParams
+    from hsdjax.core import engine
+    from hsdjax.core.drafters import ARDrafter
+    from hsdjax.core.drafters.pld import PromptLookupDrafter
+    from hsdjax.core.sampling import SamplingParams
+    from hsdjax.runtime import sharding
+    from hsdjax.runtime.config import ModelConfig
+    from hsdjax.runtime.model import init_params
 
     cfg = ModelConfig(**PRESETS[preset], dtype=dtype, scan_layers=layer_loop == "scan")
     mesh = sharding.make_mesh(mesh_spec)

@@ -20,8 +20,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from hsdjax.kernels.cpu_matmul import (ATTENTION_F16_TARGET, ATTENTION_TARGET, TREE_ATTENTION_F16_TARGET,
-                                       TREE_ATTENTION_TARGET)
+from hsdjax.kernels.cpu_matmul import (
+    ATTENTION_F16_TARGET,
+    ATTENTION_TARGET,
+    TREE_ATTENTION_F16_TARGET,
+    TREE_ATTENTION_TARGET,
+)
 from hsdjax.kernels.tree_attention import MASKED_SCORE, tree_attention_reference
 
 MAX_NEW_TOKENS = 64

@@ -2,7 +2,7 @@
 
 The T new tokens of each row (e.g. the nodes of a draft tree) attend to the valid prefix of
 the KV cache plus those new tokens they are allowed to see under ``tree_mask``; one softmax
-spans both parts (the semantics of :func:`hsdjax.model.attention`, with the cache validity
+spans both parts (the semantics of :func:`hsdjax.runtime.model.attention`, with the cache validity
 given as a length per row instead of a bool mask).
 
 Shapes (B batch rows, T new tokens, H query heads, K kv heads with H = K * G, S cache slots,
@@ -51,7 +51,7 @@ backend. The GPU kernel is the Triton custom call ``__gpu$xla.gpu.triton``, whic
 only serializes with ``disabled_checks=[DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]``
 (Triton IR has no cross-version stability guarantee); the TPU one is a stable ``tpu_custom_call``.
 Which implementation a model runs (this kernel, the jnp reference, or the C++ kernel of
-``cpu_attention``) is its config's ``backend`` (``hsdjax.config.BACKENDS``); ``attention_fn`` maps the
+``cpu_attention``) is its config's ``backend`` (``hsdjax.runtime.config.BACKENDS``); ``attention_fn`` maps the
 two implemented here.
 """
 
@@ -454,10 +454,10 @@ def tree_attention(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, *,
 
 
 def attention_fn(backend: str):
-    """The tree attention of a resolved backend (``hsdjax.config.resolve_backend``): "reference" is the
+    """The tree attention of a resolved backend (``hsdjax.runtime.config.resolve_backend``): "reference" is the
     jnp reference, "pallas" the Pallas kernel (whose variant the lowering platform picks), except for
     attention without a cache (a prompt's own pass), which always uses the reference. The C++ kernel of
-    "cpu-kernel" lives in ``cpu_attention`` (``hsdjax.model.attention_for`` maps all three)."""
+    "cpu-kernel" lives in ``cpu_attention`` (``hsdjax.runtime.model.attention_for`` maps all three)."""
     if backend == "reference":
         return tree_attention_reference
     if backend != "pallas":

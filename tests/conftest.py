@@ -9,9 +9,9 @@ import shutil
 import jax
 import pytest
 
-from hsdjax.api import enable_compilation_cache
-from hsdjax.config import ModelConfig
-from hsdjax.model import init_params
+from hsdjax.frontends.api import enable_compilation_cache
+from hsdjax.runtime.config import ModelConfig
+from hsdjax.runtime.model import init_params
 
 jax.config.update("jax_enable_x64", False)
 enable_compilation_cache()
@@ -92,7 +92,7 @@ def tiny(request):
 @pytest.fixture(scope="session")
 def smollm():
     """The real default model (installed by `make test`)."""
-    from hsdjax.api import load_model
+    from hsdjax.frontends.api import load_model
 
     model = load_model("smollm2-135m")
     record_path("CPU kernel" if model.backend.get("path") == "cpu-kernel" else "XLA matmul", "real model (auto)")
@@ -182,7 +182,7 @@ def cpu_kernel() -> str:
 def smollm_xla():
     """The real default model through XLA's dot (what GPU / TPU users and CPUs without a compiler get),
     its layers under ``lax.scan`` (the GPU / TPU layer loop; half the unrolled loop's compile time)."""
-    from hsdjax.api import load_model
+    from hsdjax.frontends.api import load_model
 
     return load_model("smollm2-135m", cpu_matmul="off", layer_loop="scan")
 
@@ -192,7 +192,7 @@ def smollm_kernel(cpu_kernel):
     """The real default model through hsdjax's CPU kernels (``cpu_matmul="on"``: whatever ``auto``
     measured), its layers under ``lax.scan`` as on GPU / TPU (half the unrolled loop's compile time;
     the default-load tests run the unrolled loop)."""
-    from hsdjax.api import load_model
+    from hsdjax.frontends.api import load_model
 
     return load_model("smollm2-135m", cpu_matmul="on", layer_loop="scan")
 
@@ -221,9 +221,9 @@ def run_engine(cfg, params, prompts, max_new, drafter=None, dparams=(), chunks=N
     import jax.numpy as jnp
     import numpy as np
 
-    from hsdjax import engine
-    from hsdjax.drafters import ARDrafter
-    from hsdjax.sampling import SamplingParams
+    from hsdjax.core import engine
+    from hsdjax.core.drafters import ARDrafter
+    from hsdjax.core.sampling import SamplingParams
 
     drafter = drafter or ARDrafter()
     longest = max(len(p) for p in prompts)
@@ -248,8 +248,8 @@ def teacher_forced(cfg, params, prompt, tokens, temperature=0.0, top_k=0, top_p=
     import jax.numpy as jnp
     import numpy as np
 
-    from hsdjax.model import Transformer, causal_mask
-    from hsdjax.sampling import SamplingParams, log_probs
+    from hsdjax.core.sampling import SamplingParams, log_probs
+    from hsdjax.runtime.model import Transformer, causal_mask
 
     model = Transformer(cfg)
     seq = jnp.asarray(list(prompt) + list(tokens), jnp.int32)[None]

@@ -1,5 +1,5 @@
 """One switch per concept: how attention and matmuls run is one setting, ``ModelConfig.backend``
-(``hsdjax.config.BACKENDS``), resolved once by ``load_model``; the model, the drafters and the drafter-data
+(``hsdjax.runtime.config.BACKENDS``), resolved once by ``load_model``; the model, the drafters and the drafter-data
 recorder read it from the config, and nothing decides it by looking at the device, a dtype or an
 array's rank. The source is read here to find every place that reads it."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hsdjax.config import BACKENDS, ModelConfig, resolve_backend
+from hsdjax.runtime.config import BACKENDS, ModelConfig, resolve_backend
 from tests.conftest import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,13 +21,13 @@ SOURCES = {str(p.relative_to(ROOT)): p.read_text() for folder in ("hsdjax", "ker
 # Every module that reads the backend setting, and what for. A new reader belongs here, and reads it
 # through the config (``cfg.backend`` / ``cfg.resolved_backend``) or a drafter's copy of its target's.
 READERS = {
-    "hsdjax/config.py": "defines BACKENDS, resolve_backend and ModelConfig.backend",
-    "hsdjax/loading.py": "resolves it once: cpu-kernel where the CPU kernels run, else what auto means here",
-    "hsdjax/model.py": "the target's matmuls (panels or XLA's dot), attention (attention_for), packed LM head",
-    "hsdjax/drafters/feature.py": "hsd / eagle: the network's panels, the ingest's and the local attention",
-    "hsdjax/drafters/hsd.py": "the attn injection's context read (through the drafter network's copy)",
-    "hsdjax/drafters/checkpoint.py": "a drafter binds its matrices as panels beside a cpu-kernel target",
-    "hsdjax/methods.py": "make_drafter gives the feature drafters their target's setting",
+    "hsdjax/runtime/config.py": "defines BACKENDS, resolve_backend and ModelConfig.backend",
+    "hsdjax/runtime/loading.py": "resolves it once: cpu-kernel where the CPU kernels run, else what auto means here",
+    "hsdjax/runtime/model.py": "the target's matmuls (panels or XLA's dot), attention (attention_for), packed LM head",
+    "hsdjax/core/drafters/feature.py": "hsd / eagle: the network's panels, the ingest's and the local attention",
+    "hsdjax/core/drafters/hsd.py": "the attn injection's context read (through the drafter network's copy)",
+    "hsdjax/core/drafters/checkpoint.py": "a drafter binds its matrices as panels beside a cpu-kernel target",
+    "hsdjax/core/methods.py": "make_drafter gives the feature drafters their target's setting",
     "train/datagen.py": "the recorder reads the LM head's panels beside a cpu-kernel target",
 }
 
@@ -64,7 +64,7 @@ def _code_lines(text: str) -> list[str]:
     return [line.split("#", 1)[0] for i, line in enumerate(text.splitlines(), 1) if i not in prose]
 
 
-RUNTIME = ("hsdjax/model.py", "hsdjax/engine.py", "hsdjax/tree.py", "hsdjax/verify.py", "hsdjax/drafters/",
+RUNTIME = ("hsdjax/runtime/model.py", "hsdjax/core/engine.py", "hsdjax/core/tree.py", "hsdjax/core/verify.py", "hsdjax/core/drafters/",
            "kernels/", "train/")
 
 
@@ -77,7 +77,7 @@ RUNTIME = ("hsdjax/model.py", "hsdjax/engine.py", "hsdjax/tree.py", "hsdjax/veri
     # the old resolvers at trace time, and a drafter's own attention setting
     (r"\btree_attention_auto\b|\battention_backend\b|\bself\.attention\b|\battention\s*=\s*\"", ("",)),
     # rank sniffing for packed panels
-    (r"\.ndim\s*==\s*3", ("hsdjax/drafters/", "hsdjax/model.py", "train/")),
+    (r"\.ndim\s*==\s*3", ("hsdjax/core/drafters/", "hsdjax/runtime/model.py", "train/")),
 ])
 def test_no_other_switch_decides_the_backend(pattern, where):
     found = [f"{path}: {line.strip()}" for path, text in SOURCES.items() if path.startswith(where)

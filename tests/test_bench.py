@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from hsdjax.bench import read_questions, select_questions
 from hsdjax.errors import HsdjaxError
+from hsdjax.frontends.bench import read_questions, select_questions
 
 QUESTIONS = [
     {"question_id": 7, "category": "writing", "turns": ["Name two primary colours.", "Now name a third."],
@@ -41,7 +41,7 @@ def test_bench_two_questions_two_methods(tmp_path):
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hsdjax.cli", "bench", "--methods", "ar,pld,hf-ar,hf-pld,hf-assisted,llamacpp",
+    cmd = [sys.executable, "-m", "hsdjax.frontends.cli", "bench", "--methods", "ar,pld,hf-ar,hf-pld,hf-assisted,llamacpp",
            "--questions", str(qfile), "--max-new-tokens", "24", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -103,7 +103,7 @@ def test_bad_question_file_names_the_line(tmp_path, line, needle):
 def test_bench_cli_rejects_unknown_method_and_bad_file(tmp_path):
     qfile = tmp_path / "q.jsonl"
     qfile.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\nnot json\n')
-    base = [sys.executable, "-m", "hsdjax.cli", "bench", "--out", str(tmp_path / "o"), "--questions", str(qfile)]
+    base = [sys.executable, "-m", "hsdjax.frontends.cli", "bench", "--out", str(tmp_path / "o"), "--questions", str(qfile)]
     proc = subprocess.run(base + ["--methods", "ar,nope"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "unknown method" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run(base, capture_output=True, text=True, timeout=300)
@@ -135,7 +135,7 @@ def test_renumbering_does_not_depend_on_the_selection(tmp_path):
 
 
 def test_a_line_cut_by_a_kill_does_not_swallow_the_next_record(tmp_path):
-    from hsdjax.bench.store import append_jsonl, read_jsonl
+    from hsdjax.frontends.bench.store import append_jsonl, read_jsonl
 
     path = tmp_path / "raw.jsonl"
     append_jsonl(path, {"question_id": 1})
@@ -149,7 +149,7 @@ def test_report_gives_decode_alone_the_median_question_and_each_turn():
     """The report's second table: decode-only speed (each turn's first token comes out of the prefill,
     so it is left out with the prefill's time), the median of per-question speed-ups and each turn alone,
     all against `ar`; records without decode times (older runs) leave those cells empty."""
-    from hsdjax.bench.report import report_markdown, summarize
+    from hsdjax.frontends.bench.report import report_markdown, summarize
 
     def rec(qid, tokens, wall, decode=None):
         r = {"question_id": qid, "category": "c", "tokens": [[1] * n for n in tokens], "wall_time": wall,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-HSDJAX = [sys.executable, "-m", "hsdjax.cli"]
+HSDJAX = [sys.executable, "-m", "hsdjax.frontends.cli"]
 
 
 def run(*args, stdin=None, timeout=600):
@@ -65,7 +65,7 @@ def test_generate_json_end_to_end():
 def test_bad_input_is_one_clear_line(args, needle, capsys):
     """In process (``main`` is what the console script calls; a subprocess per case would spend most of
     its time importing JAX): exit status 2 and one line naming the problem, argparse's refusals too."""
-    from hsdjax.cli import main
+    from hsdjax.frontends.cli import main
 
     try:
         code = main(args)
@@ -86,12 +86,12 @@ def _probe_values(option) -> list:
 
 
 def test_one_option_table_for_the_parser_and_make_drafter(capsys):
-    """Every method option's values are defined once (``hsdjax.methods.OPTIONS``): the command line
+    """Every method option's values are defined once (``hsdjax.core.methods.OPTIONS``): the command line
     (generate, bench and serve share its flags) takes a value exactly when ``make_drafter`` (the Python
     API and the server's drafter) does, and both refuse it in the same words."""
-    from hsdjax.cli import build_parser
+    from hsdjax.core.methods import OPTIONS, check_options, make_drafter
     from hsdjax.errors import HsdjaxError
-    from hsdjax.methods import OPTIONS, check_options, make_drafter
+    from hsdjax.frontends.cli import build_parser
 
     parser = build_parser()
     checked = 0

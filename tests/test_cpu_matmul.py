@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import os
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsdjax.drafters import PromptLookupDrafter
+from hsdjax.core.drafters import PromptLookupDrafter
+from hsdjax.core.sampling import argmax_last
 from hsdjax.errors import HsdjaxError
 from hsdjax.kernels import cpu_matmul
-from hsdjax.loading import use_cpu_matmul
-from hsdjax.model import Transformer, causal_mask, init_params
-from hsdjax.sampling import argmax_last
+from hsdjax.runtime.loading import use_cpu_matmul
+from hsdjax.runtime.model import Transformer, causal_mask, init_params
 from tests.conftest import TINY_LLAMA, run_engine
 
 # every width a multiple of the 32-column panel
@@ -422,7 +421,7 @@ def test_speculative_decoding_with_the_screened_head_equals_ar(kernel):
 def test_recording_through_the_kernel_head_equals_a_teacher_forced_pass(kernel):
     """The self-distillation recorder on a kernel model reads the head panels (the model's own logits):
     its states and top-k logits equal one forward over the finished sequence."""
-    from hsdjax.api import LoadedModel
+    from hsdjax.frontends.api import LoadedModel
     from hsdjax.train.datagen import flatten_recorded, fused_layer_indices, recording_drafter
 
     cfg = PANEL_LLAMA.replace(backend="cpu-kernel")
@@ -463,7 +462,7 @@ def test_real_model_loads_with_the_kernel_compressed_and_float32_panels_agree(ke
     """The default model through the kernel (``auto`` picks it once built), its panels stored compressed;
     float32 panels give the same greedy tokens. (Every method equals `ar` through the kernels and through
     XLA's dot in tests/test_real_methods.py; `hsd` on this default load in the demo test.)"""
-    from hsdjax.api import Generator, load_model
+    from hsdjax.frontends.api import Generator, load_model
 
     assert smollm.cfg.backend == "cpu-kernel"
     # SmolLM2's GGUF is Q4_1 (projections) and Q8_0 (tied head): every panel is stored compressed, and
@@ -582,8 +581,8 @@ def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel, cache_dtype):
     speculation picks `ar`'s token even at exact ties (attention walks keys by position whatever their
     source; norms sum in one fixed order). Also with a float16 KV cache (new keys and values rounded
     to what the cache will hold before the pass)."""
-    from hsdjax.api import load_model
-    from hsdjax.model import Transformer, causal_mask, commit, init_cache
+    from hsdjax.frontends.api import load_model
+    from hsdjax.runtime.model import Transformer, causal_mask, commit, init_cache
 
     # layers under lax.scan: the same kernels per layer as the unrolled loop, at half its compile time
     model = load_model("smollm2-135m", cpu_matmul="on", cache_dtype=cache_dtype, layer_loop="scan")
@@ -613,7 +612,7 @@ def test_tree_pass_logits_are_bitwise_the_one_token_steps(kernel, cache_dtype):
             step_cache = commit(step_cache, one["k"], one["v"], jnp.zeros((1, 1), jnp.int32), jnp.array([1]))
             np.testing.assert_array_equal(np.asarray(head(one["hidden"]))[0, 0], tree_logits[node])
     if cache_dtype:  # end to end: the engine keeps a float16 cache and `hsd` still gives `ar`'s tokens
-        from hsdjax.api import Generator
+        from hsdjax.frontends.api import Generator
 
         assert cache.k[0].dtype == jnp.float16
         prompt = "Write a short story about a lighthouse keeper."
@@ -625,8 +624,8 @@ def test_projections_fuse_after_packing_when_stored_alike(kernel):
     """With the kernels, ``load_model`` joins q/k/v and gate/up panels after packing (SmolLM2: every
     part 4-bit) and the fused model computes the separate one's logits bit for bit; parts stored
     differently (a 4-bit panel beside an 8-bit one, or float32) are left apart."""
-    from hsdjax.api import load_model
-    from hsdjax.model import Transformer, causal_mask, fuse_projections, init_cache
+    from hsdjax.frontends.api import load_model
+    from hsdjax.runtime.model import Transformer, causal_mask, fuse_projections, init_cache
 
     fused = load_model("smollm2-135m", cpu_matmul="on")
     apart = load_model("smollm2-135m", cpu_matmul="on", fused_projections=False)

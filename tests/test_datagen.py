@@ -10,12 +10,18 @@ import jax
 import numpy as np
 import pytest
 
-from hsdjax.api import LoadedModel
 from hsdjax.errors import HsdjaxError
-from hsdjax.model import init_params
+from hsdjax.frontends.api import LoadedModel
+from hsdjax.runtime.model import init_params
 from hsdjax.train import datagen
-from hsdjax.train.datagen import (fused_layer_indices, generate_data, generate_recorded,
-                                  load_shards, prompt_stream, recording_generator)
+from hsdjax.train.datagen import (
+    fused_layer_indices,
+    generate_data,
+    generate_recorded,
+    load_shards,
+    prompt_stream,
+    recording_generator,
+)
 from tests.conftest import TINY_LLAMA
 
 CFG = TINY_LLAMA
@@ -86,7 +92,7 @@ def teacher_forced_check(params, doc):
     """A document's recorded states and top-1 ids equal one forward pass over its tokens."""
     import jax.numpy as jnp
 
-    from hsdjax.model import Transformer, causal_mask
+    from hsdjax.runtime.model import Transformer, causal_mask
 
     toks = doc["tokens"]
     t = len(toks)

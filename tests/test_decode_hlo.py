@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hsdjax import engine
-from hsdjax.drafters import ARDrafter
-from hsdjax.drafters.pld import PromptLookupDrafter
-from hsdjax.model import init_params
-from hsdjax.sampling import SamplingParams
+from hsdjax.core import engine
+from hsdjax.core.drafters import ARDrafter
+from hsdjax.core.drafters.pld import PromptLookupDrafter
+from hsdjax.core.sampling import SamplingParams
+from hsdjax.runtime.model import init_params
 from tests.conftest import TINY_LLAMA
 from tests.test_feature_drafters import feature_drafter
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hsdjax import engine
-from hsdjax.model import Transformer, causal_mask, init_params
-from hsdjax.sampling import SamplingParams, adjust_logits, select_tokens, target_probs
+from hsdjax.core import engine
+from hsdjax.core.sampling import SamplingParams, adjust_logits, select_tokens, target_probs
+from hsdjax.runtime.model import Transformer, causal_mask, init_params
 from tests.conftest import TINY_LLAMA, chi2_pvalue, run_engine
 
 TINY_LLAMA_LONG = TINY_LLAMA.replace(max_context=8192)
@@ -93,8 +93,12 @@ def test_plan_shapes_rejects_bad_budgets(tiny):
 def test_adjust_logits_matches_transformers_warpers(temperature, top_k, top_p):
     """Temperature -> top-k -> top-p define the same distribution as transformers' logits processors."""
     torch = pytest.importorskip("torch")
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     logits = np.random.RandomState(5).randn(4, 300).astype(np.float32) * 3
     procs = LogitsProcessorList([TemperatureLogitsWarper(temperature)]
@@ -151,11 +155,11 @@ def test_row_keys_fold_the_row_index_into_the_seed():
 
 
 def test_row_pool_places_grows_releases_and_shrinks_without_changing_rows(tiny):
-    """The running batch both continuous batchers share (``hsdjax.batch.RowPool``): rows placed while
+    """The running batch both continuous batchers share (``hsdjax.core.batch.RowPool``): rows placed while
     others decode (the state grows through its sizes), a row released and the busy ones compacted into a
     smaller size, another placed after: every kept row decodes exactly as its prompt alone."""
-    from hsdjax.batch import RowPool
-    from hsdjax.drafters import ARDrafter
+    from hsdjax.core.batch import RowPool
+    from hsdjax.core.drafters import ARDrafter
 
     cfg, params = tiny
     rng = np.random.RandomState(4)

@@ -22,16 +22,16 @@ import numpy as np
 import pytest
 from jax import export
 
-from hsdjax import engine
-from hsdjax.drafters import ARDrafter
-from hsdjax.drafters.checkpoint import bind
-from hsdjax.drafters.eagle import EagleDrafter
-from hsdjax.drafters.feature import FeatureConfig, init_net
-from hsdjax.drafters.hsd import HSDDrafter
-from hsdjax.drafters.pld import PromptLookupDrafter
-from hsdjax.drafters.sps import DraftLMDrafter
-from hsdjax.model import init_params
-from hsdjax.sampling import SamplingParams
+from hsdjax.core import engine
+from hsdjax.core.drafters import ARDrafter
+from hsdjax.core.drafters.checkpoint import bind
+from hsdjax.core.drafters.eagle import EagleDrafter
+from hsdjax.core.drafters.feature import FeatureConfig, init_net
+from hsdjax.core.drafters.hsd import HSDDrafter
+from hsdjax.core.drafters.pld import PromptLookupDrafter
+from hsdjax.core.drafters.sps import DraftLMDrafter
+from hsdjax.core.sampling import SamplingParams
+from hsdjax.runtime.model import init_params
 from tests.conftest import TINY_QWEN
 
 TRITON = "__gpu$xla.gpu.triton"  # exported only with its stability check disabled (tests/test_tree_attention.py)

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import jax
-import jax.numpy as jnp
-
-from hsdjax.drafters.checkpoint import bind
-from hsdjax.drafters.eagle import EagleDrafter
-from hsdjax.drafters.feature import OUTPUT_SIDE, FeatureConfig, FeatureDrafterNet, init_net
-from hsdjax.drafters.hsd import HSDDrafter
-from hsdjax.model import init_params
+from hsdjax.core.drafters.checkpoint import bind
+from hsdjax.core.drafters.eagle import EagleDrafter
+from hsdjax.core.drafters.feature import OUTPUT_SIDE, FeatureConfig, FeatureDrafterNet, init_net
+from hsdjax.core.drafters.hsd import HSDDrafter
+from hsdjax.runtime.model import init_params
 from hsdjax.train.datagen import fused_layer_indices
 from tests.conftest import TINY_LLAMA, TINY_QWEN, run_engine
 from tests.test_spec import SMALL, exact_joint, pooled_pvalue, sample_joint, sharp_params
@@ -114,7 +113,7 @@ def test_lookup_graft_is_lossless_and_used(target, method):
 def test_prompt_bucket_as_long_as_the_cache(target):
     """A 200-token prompt pads to 256, and 200 + 16 new tokens (+ tree slots) also fit a 256 cache: the
     prompt bucket fills the whole buffer (a real MT-bench turn 2 hit this in `eagle`'s prompt ingest)."""
-    from hsdjax import engine
+    from hsdjax.core import engine
 
     cfg, params = target
     prompts = [list(np.random.RandomState(3).randint(0, cfg.vocab_size, 200))]
@@ -239,7 +238,7 @@ def test_a_grown_plain_hsd_drafts_what_it_drafted(target, added):
     """The warm starts that add ``root_token`` (``fc`` passes the feature through, the token weights
     start at zero), ``chain_layer`` (a copy of the layer) or ``chain_g`` (a copy of g and the norms) to
     a trained `hsd` propose exactly the trees of the drafter they start from."""
-    from hsdjax.drafters.checkpoint import grow_plain_hsd
+    from hsdjax.core.drafters.checkpoint import grow_plain_hsd
 
     cfg, params = target
     prompts = prompts_of(13, cfg.vocab_size, 3)
@@ -316,7 +315,7 @@ def test_feature_drafter_sampling_matches_plain_sampling(method, lookup):
 
 
 def test_tree_keeps_best_nodes_with_their_ancestors():
-    from hsdjax.drafters.dynamic_tree import grow_tree
+    from hsdjax.core.drafters.dynamic_tree import grow_tree
 
     v, depth, width, budget = 12, 3, 3, 5
     rng = np.random.RandomState(0)
@@ -337,7 +336,7 @@ def test_tree_keeps_best_nodes_with_their_ancestors():
 
 
 def test_grow_prob_keeps_the_best_draft_and_only_sure_nodes_beyond_it():
-    from hsdjax.drafters.dynamic_tree import frontiers_expanded, grow_tree
+    from hsdjax.core.drafters.dynamic_tree import frontiers_expanded, grow_tree
 
     v, depth, width, budget = 12, 3, 3, 6
     rng = np.random.RandomState(1)
@@ -391,11 +390,11 @@ def test_grow_prob_trees_are_lossless_and_verified_at_smaller_tiers(target, meth
 
 
 def test_every_shipped_drafter_is_small_names_a_registered_target_and_its_method():
-    """Each file under hsdjax/drafters/checkpoints is at most 32 MB (the repository's limit), is named
+    """Each file under hsdjax/core/drafters/checkpoints is at most 32 MB (the repository's limit), is named
     ``<model>-<method>`` after the target and method its metadata records, and that target is registered
     (its weights are checked at load time, as the default model's are above)."""
-    from hsdjax.drafters.checkpoint import SHIPPED_DIR, read_meta
-    from hsdjax.registry import list_models
+    from hsdjax.core.drafters.checkpoint import SHIPPED_DIR, read_meta
+    from hsdjax.runtime.registry import list_models
 
     files = sorted(SHIPPED_DIR.glob("*.safetensors"))
     assert files
@@ -410,8 +409,8 @@ def test_every_shipped_drafter_is_small_names_a_registered_target_and_its_method
 @pytest.mark.parametrize("method", ["hsd", "eagle"])
 def test_shipped_drafters_load_for_the_default_model(smollm, method):
     """The committed checkpoints bind to the installed SmolLM2 (weights fingerprint) and are small."""
-    from hsdjax.methods import make_drafter
-    from hsdjax.drafters.checkpoint import read_meta, shipped_path
+    from hsdjax.core.drafters.checkpoint import read_meta, shipped_path
+    from hsdjax.core.methods import make_drafter
 
     path = shipped_path(smollm.name, method)
     assert path.stat().st_size <= 10_000_000
@@ -438,8 +437,8 @@ def test_shipped_drafters_load_for_the_default_model(smollm, method):
 def test_drafter_macs_count_what_xla_computes():
     """The multiply-add model behind ``drafter_macs`` (one layer over T tokens attending to L keys, the
     head, ``g``) agrees with XLA's own flop count of the same computation (elementwise work aside)."""
-    from hsdjax.drafters.base import layer_macs
-    from hsdjax.drafters.feature import FeatureDrafterNet
+    from hsdjax.core.drafters.base import layer_macs
+    from hsdjax.core.drafters.feature import FeatureDrafterNet
 
     fc = FeatureConfig(method="hsd", hidden=128, heads=4, kv_heads=2, head_dim=32, mlp=256, vocab=512)
     net = FeatureDrafterNet(fc)
@@ -578,7 +577,7 @@ def test_benchmark_variants_parse_and_refuse_bad_ones():
 def test_drafter_on_cpu_panels_equals_plain_matrices(method, cpu_kernel):
     """``pack_for_cpu``: the network and head as float32 panels through the CPU kernel give the plain
     matrices' logits (up to the order of additions) on every piece the drafters call."""
-    from hsdjax.drafters.feature import FeatureDrafterNet, init_net, pack_for_cpu
+    from hsdjax.core.drafters.feature import FeatureDrafterNet, init_net, pack_for_cpu
     from hsdjax.kernels import cpu_matmul
 
     fc = FeatureConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=128, fused=3, method=method)
@@ -624,11 +623,11 @@ def test_ingest_through_the_cpu_kernel_equals_the_reference_over_rounds(cpu_kern
     row's whole history, up to the order of additions; slots past each row's length are never read,
     whatever they hold. ``ingest_path`` (the rounds' ingest, computed at the smallest tier of 2, 4 or 6
     rows that holds the round's counts) gives the same as a full-size ingest at every tier."""
-    from hsdjax.drafters.feature import ingest, ingest_path, init_context, pack_for_cpu
+    from hsdjax.core.drafters.feature import ingest, ingest_path, init_context, pack_for_cpu
     from hsdjax.kernels import cpu_matmul
     from hsdjax.kernels.cpu_attention import tree_attention_cpu
     from hsdjax.kernels.tree_attention import tree_attention_reference
-    from hsdjax.model import attention_for
+    from hsdjax.runtime.model import attention_for
 
     fc = FeatureConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=128, fused=3, method="hsd")
     net = init_net(fc, seed=1)

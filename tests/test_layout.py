@@ -35,11 +35,14 @@ def test_kernels_reachable_as_hsdjax_kernels():
 
 
 def _module_names() -> dict[str, Path]:
-    """``hsdjax`` module name -> file, for every ``.py`` under ``hsdjax/`` (a package by its ``__init__``)."""
+    """``hsdjax`` module name -> file, for every ``.py`` under ``hsdjax/`` (a package by its ``__init__``)
+    and under the top-level ``kernels/`` and ``train/`` folders (installed as ``hsdjax.kernels`` and
+    ``hsdjax.train``)."""
     out = {}
-    for path in (ROOT / "hsdjax").rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for folder, package in (("hsdjax", ()), ("kernels", ("hsdjax",)), ("train", ("hsdjax",))):
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = package + path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
@@ -96,7 +99,7 @@ def test_no_import_cycle():
     can be read, and imported, on its own terms."""
     modules = _module_names()
     graph = {name: _imports_of(name, path, modules) for name, path in modules.items()}
-    assert graph["hsdjax.api"] >= {"hsdjax.methods", "hsdjax.loading"}  # the walk sees real imports
+    assert graph["hsdjax.frontends.api"] >= {"hsdjax.core.methods", "hsdjax.runtime.loading"}  # the walk sees real imports
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -104,3 +107,33 @@ def test_no_import_cycle():
 def test_find_cycle_names_the_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# Layers, bottom up: what every layer may use, then the kernels, the model runtime, the decoding core, and
+# on top training and the front ends (which use each other: the command line runs training, training
+# drives the model through the Python API). A module imports only from its own layer or those below.
+LAYERS = (("hsdjax.errors", "hsdjax.paths", "hsdjax.jsonl"), ("hsdjax.kernels",), ("hsdjax.runtime",),
+          ("hsdjax.core",), ("hsdjax.train", "hsdjax.frontends", "hsdjax"))
+
+
+def _layer(module: str) -> int:
+    """The index in ``LAYERS`` of the longest package prefix that holds ``module``."""
+    best = max((p for layer in LAYERS for p in layer if module == p or module.startswith(p + ".")), key=len)
+    return next(i for i, layer in enumerate(LAYERS) if best in layer)
+
+
+def test_layers_import_only_downward():
+    """The folders are the architecture: ``hsdjax/runtime`` (model, weights, tokenizer, loading) knows
+    nothing of drafting, ``hsdjax/core`` (engine, trees, verification, drafters) nothing of the front ends
+    or training, and the kernels nothing of either."""
+    modules = _module_names()
+    assert {m.split(".")[1] for m in modules if m.count(".")} >= {"core", "runtime", "frontends", "kernels", "train"}
+    upward = sorted(f"{name} -> {dep}" for name, path in modules.items()
+                    for dep in _imports_of(name, path, modules) if _layer(dep) > _layer(name))
+    assert upward == []
+
+
+def test_layer_check_sees_an_upward_import():
+    assert _layer("hsdjax.runtime.model") == 2 and _layer("hsdjax.core.drafters.hsd") == 3
+    assert _layer("hsdjax.frontends.serving.app") == 4 and _layer("hsdjax") == 4 and _layer("hsdjax.errors") == 0
+    assert _layer("hsdjax.core.engine") > _layer("hsdjax.runtime.sharding")

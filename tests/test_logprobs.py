@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hsdjax import engine
-from hsdjax.drafters import ARDrafter
-from hsdjax.drafters.pld import PromptLookupDrafter
-from hsdjax.drafters.sps import DraftLMDrafter
-from hsdjax.model import init_params
-from hsdjax.sampling import SamplingParams
+from hsdjax.core import engine
+from hsdjax.core.drafters import ARDrafter
+from hsdjax.core.drafters.pld import PromptLookupDrafter
+from hsdjax.core.drafters.sps import DraftLMDrafter
+from hsdjax.core.sampling import SamplingParams
+from hsdjax.runtime.model import init_params
 from tests.conftest import TINY_LLAMA, run_engine, teacher_forced
 
 K = 5
@@ -100,7 +100,7 @@ def test_fork_rows_equals_prefilling_copies(tiny_llama):
 def test_smollm2_logprobs_same_with_and_without_speculation(smollm):
     """The real model, greedy: ar, pld and hsd (the shipped drafter) emit the same tokens with the same
     log-probabilities (within 1e-4), equal to the teacher-forced ones; pld really speculated."""
-    from hsdjax.api import Generator
+    from hsdjax.frontends.api import Generator
 
     prompt = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat"
     results = {m: Generator(smollm, method=m).generate(prompt, max_new_tokens=24, chat=False, top_logprobs=K)[0]

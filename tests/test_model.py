@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hsdjax.model import Transformer, causal_mask, commit, init_cache
+from hsdjax.runtime.model import Transformer, causal_mask, commit, init_cache
 
 
 def forward(cfg, params, tokens, positions, mask, cache=None):
@@ -136,7 +136,7 @@ def test_hf_folder_roundtrip_matches_transformers(tiny, tmp_path, monkeypatch):
     if cfg.tie_embeddings:
         hf.tie_weights()
     hf.save_pretrained(tmp_path / "model")
-    from hsdjax.weights import convert_hf
+    from hsdjax.runtime.weights import convert_hf
 
     loaded_cfg, loaded = convert_hf(tmp_path / "model")
     assert loaded_cfg.replace(max_context=cfg.max_context) == cfg
@@ -160,7 +160,7 @@ def assert_matches_transformers(model, hf, logits_prompt: str, greedy_prompt: st
     """Logits over a 64-token chat prompt agree within ``tolerance``; 64 greedy tokens are identical."""
     import torch
 
-    from hsdjax.api import Generator
+    from hsdjax.frontends.api import Generator
 
     tok = model.tokenizer
     ids = (tok.encode_chat([{"role": "user", "content": logits_prompt}]) * 4)[:64]
@@ -192,8 +192,8 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm):
 def test_qwen_coder_05b_matches_transformers():
     """Qwen2 family on real weights (q/k/v bias, untied head): logits on a 64-token prompt and 64
     greedy tokens equal transformers' on the same GGUF. Needs `hsdjax models pull qwen2.5-coder-0.5b`."""
-    from hsdjax import registry
-    from hsdjax.api import load_model
+    from hsdjax.frontends.api import load_model
+    from hsdjax.runtime import registry
 
     if not registry.is_installed("qwen2.5-coder-0.5b"):
         pytest.skip("qwen2.5-coder-0.5b is not installed (hsdjax models pull qwen2.5-coder-0.5b)")
@@ -208,7 +208,7 @@ def test_qwen_coder_05b_matches_transformers():
 def test_fused_projections_equal_separate(tiny, scan):
     """q/k/v and gate/up fused into one matmul each (what load_model does unsharded) give the same
     outputs and cache entries as the separate weights, stacked or unrolled, with and without qkv bias."""
-    from hsdjax.model import fuse_projections, unstack_layers
+    from hsdjax.runtime.model import fuse_projections, unstack_layers
 
     cfg, params = tiny
     if not scan:
@@ -230,8 +230,8 @@ def test_fused_projections_equal_separate(tiny, scan):
 def test_target_parts_load_only_the_head_and_equal_the_full_weights(smollm):
     """A drafter's training loads the embeddings, head and final norm without the layers; they are the
     full load's arrays, and the provenance a checkpoint is bound to is the same."""
-    from hsdjax.loading import load_target_parts
-    from hsdjax.weights import load_weights
+    from hsdjax.runtime.loading import load_target_parts
+    from hsdjax.runtime.weights import load_weights
 
     parts = load_target_parts("smollm2-135m")
     _, full, _ = load_weights(smollm.source.path, smollm.source.kind, smollm.fingerprint)

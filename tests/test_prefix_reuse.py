@@ -22,10 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsdjax import engine
-from hsdjax.model import init_params
-from hsdjax.sampling import SamplingParams
-from hsdjax.serving.prefix_cache import BLOCK, PrefixCache
+from hsdjax.core import engine
+from hsdjax.core.sampling import SamplingParams
+from hsdjax.frontends.serving.prefix_cache import BLOCK, PrefixCache
+from hsdjax.runtime.model import init_params
 from tests.conftest import TINY_LLAMA, TINY_QWEN
 
 MODEL = "smollm2-135m"
@@ -182,14 +182,14 @@ def sched(smollm):
 
 @pytest.fixture(scope="module")
 def reference(smollm):
-    from hsdjax.api import Generator
+    from hsdjax.frontends.api import Generator
 
     return Generator(smollm, method="ar")
 
 
 @pytest.fixture(scope="module")
 def srv(sched):
-    from hsdjax.serving.app import create_app
+    from hsdjax.frontends.serving.app import create_app
     from tests.test_serve_hardening import Running
 
     running = Running(create_app(sched, MODEL), sched)
@@ -221,7 +221,7 @@ def test_second_turn_reuses_the_first_and_answers_the_same(srv, sched, reference
 
 def _collect_request(sched, name, prompt_ids, max_new):
     """Submit a greedy request from a background event loop; returns (request, future of its text)."""
-    from hsdjax.serving.scheduler import GenRequest
+    from hsdjax.frontends.serving.scheduler import GenRequest
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -298,7 +298,7 @@ def test_a_long_prompt_is_prefilled_in_pieces_between_decode_calls(sched, refere
 
 
 def test_automatic_prefill_budget_costs_about_one_decode_call(smollm):
-    from hsdjax.serving.scheduler import AUTO_CHUNK_MAX, Scheduler
+    from hsdjax.frontends.serving.scheduler import AUTO_CHUNK_MAX, Scheduler
 
     s = Scheduler(smollm, "ar", max_batch=2, max_context=512, warmup=False, prefix_cache_mb=0)
     assert s.prefix is None

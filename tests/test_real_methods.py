@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from hsdjax.api import Generator
-from hsdjax.methods import REGISTRY, TREE_SIZES
+from hsdjax.core.methods import REGISTRY, TREE_SIZES
+from hsdjax.frontends.api import Generator
 from tests.conftest import record_path
 
 MODEL = "smollm2-135m"
@@ -81,7 +81,7 @@ def write_draft(src: Path, dst: Path, layers: tuple[int, ...] = DRAFT_LAYERS) ->
 
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory) -> Path:
-    from hsdjax import registry
+    from hsdjax.runtime import registry
 
     source = Path(registry.resolve(MODEL).path)
     return write_draft(source, tmp_path_factory.mktemp("draft") / "smollm2-8-layers.gguf")
@@ -170,10 +170,10 @@ def test_the_server_answers_with_ar_tokens(request, answers, draft, method):
     a queued third) answer with `ar`'s text. Warm-up and the prefix cache are off: their programs are
     tested with `pld` (tests/test_serve*.py); here each method compiles only what the requests need."""
     openai = pytest.importorskip("openai")
-    from hsdjax import serve
-    from hsdjax.serving.app import create_app
-    from hsdjax.serving.metrics import Metrics
-    from hsdjax.serving.scheduler import Scheduler
+    from hsdjax.frontends import serve
+    from hsdjax.frontends.serving.app import create_app
+    from hsdjax.frontends.serving.metrics import Metrics
+    from hsdjax.frontends.serving.scheduler import Scheduler
     from tests.test_serve_hardening import _free_port
 
     model = request.getfixturevalue(PATHS["xla"])

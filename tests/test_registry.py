@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hsdjax import registry
 from hsdjax.errors import HsdjaxError, ModelNotInstalled
+from hsdjax.runtime import registry
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "models.json"
 

@@ -13,9 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hsdjax import sampling
-from hsdjax.sampling import (CANDIDATES, SamplingParams, adjust_logits, adjust_logits_reference, target_probs,
-                             top_k_blocked)
+from hsdjax.core import sampling
+from hsdjax.core.sampling import (
+    CANDIDATES,
+    SamplingParams,
+    adjust_logits,
+    adjust_logits_reference,
+    target_probs,
+    top_k_blocked,
+)
 
 VOCABS = [1, 2, 7, 255, 256, 257, 600, 1000, 4099]  # below, at and above CANDIDATES; not block multiples
 MODES = ["greedy", "off", "top_k", "top_p", "both"]
@@ -249,9 +255,8 @@ def filtered_probs64(logits: np.ndarray, temperature: float, top_k: int, top_p: 
 def _tree_target():
     """(every 2-token continuation of the prompt [V*V, 2], the logits after 0, 1 and 2 of its tokens
     [V*V, 3, V]) from one uncached pass of the 6-token model."""
+    from hsdjax.runtime.model import Transformer, causal_mask
     from tests.test_spec import SMALL, sharp_params
-
-    from hsdjax.model import Transformer, causal_mask
 
     v, p = SMALL.vocab_size, len(TREE_PROMPT)
     seqs = np.array([TREE_PROMPT + list(c) for c in itertools.product(range(v), repeat=2)], np.int32)
@@ -313,7 +318,7 @@ def tree_pvalue(counts: np.ndarray, joint: np.ndarray, min_expected: float = 5.0
 def tree_drafter(method: str):
     """The method's drafter over the 6-token model: pld (a 2-wide, 3-deep lookup trie; it has drafts when
     the first token is 3), and random hsd / eagle drafters (a tree of 4 nodes, depth 2, every round)."""
-    from hsdjax.drafters import PromptLookupDrafter
+    from hsdjax.core.drafters import PromptLookupDrafter
 
     if method == "pld":
         return PromptLookupDrafter(width=2, depth=3), ()
@@ -357,7 +362,7 @@ def _shared_node_keys(keys, n):
 def _accept_without_ancestors(y, tree, max_depth):
     """Broken ``verify.accept_tree``: a node whose token equals its parent's draw is accepted even when
     the parent itself was rejected."""
-    from hsdjax.verify import Verdict, _path_to
+    from hsdjax.core.verify import Verdict, _path_to
 
     parent = jnp.maximum(tree.parents, 0)
     match = tree.valid & (tree.parents >= 0) & (tree.tokens == jnp.take_along_axis(y, parent, axis=1))
@@ -376,7 +381,7 @@ def test_tree_statistics_catch_a_broken_tree_rule(bug, tree_joint, monkeypatch):
     joint by Cohen's w^2 ~ 0.28 (measured on 8,192 rows), a noncentrality of ~290 at 1,024 rows over 30
     pooled cells, whose p = 1e-6 cut-off is a chi-square of 80: the chance of a miss is ~5e-20 (7e-6 at
     half the effect). The ancestor bug emits paths the target cannot produce (probability-0 cells)."""
-    from hsdjax import engine, verify
+    from hsdjax.core import engine, verify
 
     if bug == "shared_node_keys":
         monkeypatch.setattr(verify, "node_keys", _shared_node_keys)
@@ -403,9 +408,9 @@ def test_real_model_tree_draws_follow_its_filtered_distribution(smollm):
     prompt, the second (emitted exactly when the first is a draft) the one after the prompt and that
     draft, both computed in float64 from the same logits. At these settings the kept set of every node
     is smaller than top-k alone or top-p alone keeps, so a sampler without either filter fails."""
-    from hsdjax.model import Transformer, causal_mask
-    from hsdjax.tree import DraftTree
-    from hsdjax.verify import verify_tree
+    from hsdjax.core.tree import DraftTree
+    from hsdjax.core.verify import verify_tree
+    from hsdjax.runtime.model import Transformer, causal_mask
 
     cfg, params = smollm.cfg, smollm.params
     prompt = smollm.tokenizer.encode(REAL_PROMPT, add_special_tokens=False)

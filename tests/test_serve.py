@@ -51,7 +51,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "hsdjax.cli", "serve", "--model", MODEL, "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "hsdjax.frontends.cli", "serve", "--model", MODEL, "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log_tail(self) -> str:
@@ -101,7 +101,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(smollm):
     """Plain decoding through the Python API: what `hsdjax generate` returns."""
-    from hsdjax.api import Generator
+    from hsdjax.frontends.api import Generator
 
     return Generator(smollm, method="ar")
 
@@ -142,7 +142,7 @@ def _assert_openai_error(resp: httpx.Response, status: int, param: str | None = 
 
 # ------------------------------------------------------------------------------------------ text stream
 def test_text_stream_holds_back_stop_prefixes_and_split_characters(smollm):
-    from hsdjax.serving.text import TextStream
+    from hsdjax.frontends.serving.text import TextStream
 
     tok = smollm.tokenizer
     text = "Hé said 日本語 twice: 日本語 🎉 done"
@@ -180,7 +180,7 @@ def test_speculative_programs_only_where_rows_speculate(smollm, limit, max_batch
     """With a plain variant (``pld``), the speculative decode (several forward passes: the largest
     program) is compiled and run only in the batch buckets that hold at most ``spec_max_active`` rows;
     plain decoding wherever more rows can be busy."""
-    from hsdjax.serving.scheduler import Scheduler
+    from hsdjax.frontends.serving.scheduler import Scheduler
 
     sched = Scheduler(smollm, "pld", max_batch=max_batch, spec_max_active=limit, warmup=False, prefix_cache_mb=0)
     assert sched.spec_bucket == spec_bucket
@@ -201,12 +201,12 @@ def test_insert_and_take_rows_keep_each_row_exact(method):
     import jax.numpy as jnp
     import numpy as np
 
-    from hsdjax import engine
-    from hsdjax.drafters import ARDrafter
-    from hsdjax.drafters.pld import PromptLookupDrafter
-    from hsdjax.drafters.sps import DraftLMDrafter
-    from hsdjax.sampling import SamplingParams
-    from hsdjax.model import init_params
+    from hsdjax.core import engine
+    from hsdjax.core.drafters import ARDrafter
+    from hsdjax.core.drafters.pld import PromptLookupDrafter
+    from hsdjax.core.drafters.sps import DraftLMDrafter
+    from hsdjax.core.sampling import SamplingParams
+    from hsdjax.runtime.model import init_params
     from tests.conftest import TINY_LLAMA, run_engine
 
     cfg = TINY_LLAMA

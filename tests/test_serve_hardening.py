@@ -1,7 +1,7 @@
 """`hsdjax serve` hardening: body limits and pace, range checks, API key, Host header, shutdown drain.
 
 One scheduler over the real default model (loaded in this process) serves every test; each app runs
-in a real uvicorn server on 127.0.0.1 (``hsdjax.serve.make_server``, in a thread) and is driven with
+in a real uvicorn server on 127.0.0.1 (``hsdjax.frontends.serve.make_server``, in a thread) and is driven with
 the official `openai` client, httpx, and raw sockets where a client has to misbehave. The shutdown
 test comes last: it closes the scheduler.
 """
@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 
-from hsdjax import engine, serve  # noqa: E402
-from hsdjax.serving.app import create_app, host_name  # noqa: E402
-from hsdjax.serving.metrics import Metrics  # noqa: E402
-from hsdjax.serving.scheduler import GenRequest, Scheduler  # noqa: E402
+from hsdjax.core import engine  # noqa: E402
+from hsdjax.frontends import serve  # noqa: E402
+from hsdjax.frontends.serving.app import create_app, host_name  # noqa: E402
+from hsdjax.frontends.serving.metrics import Metrics  # noqa: E402
+from hsdjax.frontends.serving.scheduler import GenRequest, Scheduler  # noqa: E402
 
 MODEL = "smollm2-135m"
 KEY = "test-key-123"
@@ -213,7 +214,7 @@ def test_large_allowed_body_does_not_stall_the_server(srv, http, monkeypatch):
     server's GIL, so a tokenizer that held it (or a blocked event loop) lets almost none land: on the
     loaded EPYC, ``encode`` in place of ``encode_batch`` let 1 land where 256 were required; the real
     one let 1,400-1,800 land where 130-210 were (the call lasting 5,000-8,000 round trips)."""
-    from hsdjax import tokenizer as tokenizer_module
+    from hsdjax.runtime import tokenizer as tokenizer_module
 
     real, calls = tokenizer_module._encode_texts, []
 
@@ -370,7 +371,7 @@ def test_sampling_at_every_tiny_temperature_is_defined():
     import jax.numpy as jnp
     import numpy as np
 
-    from hsdjax.sampling import GREEDY_BELOW, SamplingParams, effective_temperature, log_probs, select_tokens
+    from hsdjax.core.sampling import GREEDY_BELOW, SamplingParams, effective_temperature, log_probs, select_tokens
 
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(0, 30, (3, 1000)).astype(np.float32))
@@ -523,7 +524,7 @@ def test_settings():
 
 def test_cli_serve_parser():
     """The CLI's serve parser has the hardening flags and names its real default method."""
-    from hsdjax.cli import build_parser
+    from hsdjax.frontends.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--api-key", "k", "--shutdown-grace-s", "3", "--max-body-bytes", "4096"])

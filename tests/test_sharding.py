@@ -1,4 +1,4 @@
-"""Sharded targets (``hsdjax.sharding``): mesh strings, param specs, and sharded == single-device runs.
+"""Sharded targets (``hsdjax.runtime.sharding``): mesh strings, param specs, and sharded == single-device runs.
 
 The multi-device checks need 8 devices (``--xla_force_host_platform_device_count=8``), but this pytest
 process already initialised JAX with one CPU device, so they run in one subprocess (``_worker``) that
@@ -21,9 +21,9 @@ import jax
 import numpy as np
 import pytest
 
-from hsdjax import sharding
-from hsdjax.config import ModelConfig
 from hsdjax.errors import HsdjaxError
+from hsdjax.runtime import sharding
+from hsdjax.runtime.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
@@ -100,7 +100,7 @@ def test_distributed_settings_from_environment():
 
 def test_cli_bad_mesh_is_one_clear_line():
     args = ["generate", "--prompt", "hi", "--mesh", "data=1,model=x"]
-    proc = subprocess.run([sys.executable, "-m", "hsdjax.cli", *args], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-m", "hsdjax.frontends.cli", *args], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2
     assert "whole number" in proc.stderr and "Traceback" not in proc.stderr
@@ -109,7 +109,7 @@ def test_cli_bad_mesh_is_one_clear_line():
 
 # ------------------------------------------------------------------------------------------ param specs
 def _specs(cfg: ModelConfig, model: int) -> dict:
-    from hsdjax.model import init_params
+    from hsdjax.runtime.model import init_params
 
     class FakeMesh:  # param_specs only reads the axis sizes
         shape = {"data": 8 // model, "model": model}
@@ -287,7 +287,7 @@ class _StubTokenizer:
 
 
 def _model(cfg: ModelConfig, params: dict, mesh: str | None):
-    from hsdjax.api import LoadedModel
+    from hsdjax.frontends.api import LoadedModel
 
     m = sharding.make_mesh(mesh)
     return LoadedModel("tiny", cfg, sharding.shard_params(cfg, params, m), _StubTokenizer(), None,
@@ -297,9 +297,9 @@ def _model(cfg: ModelConfig, params: dict, mesh: str | None):
 def _prefill_check(cfg: ModelConfig, params: dict, mesh: str) -> dict:
     """``engine.prefill`` of two prompts on one device and on ``mesh``: the LM head's logits at every
     prompt position, the KV cache, and how the sharded cache is split."""
-    from hsdjax import engine
-    from hsdjax.model import Transformer
-    from hsdjax.sampling import SamplingParams
+    from hsdjax.core import engine
+    from hsdjax.core.sampling import SamplingParams
+    from hsdjax.runtime.model import Transformer
 
     prompt = np.zeros((2, 32), np.int32)
     prompt[:, :11] = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 11))
@@ -324,8 +324,8 @@ def _prefill_check(cfg: ModelConfig, params: dict, mesh: str) -> dict:
 def _random_drafter(folder: Path, method: str, params: dict) -> Path:
     """A random (untrained) ``method`` drafter checkpoint for the HEADS8 target, its 2-D weights
     scaled up so its proposals vary (what it proposes does not matter: greedy output must not change)."""
-    from hsdjax.drafters.checkpoint import save_drafter
-    from hsdjax.drafters.feature import FeatureConfig, init_net
+    from hsdjax.core.drafters.checkpoint import save_drafter
+    from hsdjax.core.drafters.feature import FeatureConfig, init_net
     from hsdjax.train.datagen import fused_layer_indices
 
     fc = FeatureConfig(method=method, hidden=HEADS8.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=32, vocab=40,
@@ -338,7 +338,7 @@ def _random_drafter(folder: Path, method: str, params: dict) -> Path:
 
 def _feature_check(params: dict, prompts: list, folder: Path, lap) -> dict:
     """Greedy ``hsd`` / ``eagle`` through ``Generator(..., drafter=PATH)`` on one device and on each mesh."""
-    from hsdjax.api import Generator
+    from hsdjax.frontends.api import Generator
 
     out: dict = {}
     for method in ("hsd", "eagle"):
@@ -359,8 +359,8 @@ def _feature_check(params: dict, prompts: list, folder: Path, lap) -> dict:
 def _sps_check(params: dict, prompts: list, lap) -> dict:
     """Greedy ``sps`` (a draft LM of HEADS8's shape, the target's weights times 1 + 5% noise) through
     ``Generator.with_drafter`` on one device and on each mesh."""
-    from hsdjax.api import Generator
-    from hsdjax.drafters.sps import DraftLMDrafter
+    from hsdjax.core.drafters.sps import DraftLMDrafter
+    from hsdjax.frontends.api import Generator
 
     rng = np.random.RandomState(8)
     draft = jax.tree_util.tree_map(lambda a: a * (1 + 0.05 * rng.standard_normal(a.shape)).astype(a.dtype), params)
@@ -419,8 +419,8 @@ def _train_check(params: dict, data: dict, folder: Path, lap) -> dict:
 
     import orbax.checkpoint as ocp
 
-    from hsdjax.drafters.checkpoint import frozen_from_params
-    from hsdjax.drafters.feature import FeatureConfig, init_net
+    from hsdjax.core.drafters.checkpoint import frozen_from_params
+    from hsdjax.core.drafters.feature import FeatureConfig, init_net
     from hsdjax.train import train as tr
 
     fc = FeatureConfig(method="hsd", hidden=HEADS8.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=32, vocab=32,
@@ -492,8 +492,8 @@ def _train_check(params: dict, data: dict, folder: Path, lap) -> dict:
 
 def _worker() -> None:
     """The 8-device checks (run in a subprocess by the ``eight_devices`` fixture); prints JSON."""
-    from hsdjax.api import Generator, enable_compilation_cache
-    from hsdjax.model import init_params
+    from hsdjax.frontends.api import Generator, enable_compilation_cache
+    from hsdjax.runtime.model import init_params
 
     t0, times = time.perf_counter(), {}
 
@@ -544,8 +544,8 @@ def _worker() -> None:
 def _multihost_worker() -> None:
     """One process of ``test_two_processes_share_one_mesh``; prints JSON."""
     sharding.maybe_initialize_distributed()  # HSDJAX_COORDINATOR is set: joins before JAX starts
-    from hsdjax.api import Generator
-    from hsdjax.model import init_params
+    from hsdjax.frontends.api import Generator
+    from hsdjax.runtime.model import init_params
 
     params = init_params(HEADS8, seed=3)
     rng = np.random.RandomState(6)

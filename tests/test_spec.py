@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hsdjax import engine
-from hsdjax.config import ModelConfig
-from hsdjax.drafters.pld import PromptLookupDrafter
-from hsdjax.drafters.sps import DraftLMDrafter
-from hsdjax.model import Transformer, causal_mask, init_params
+from hsdjax.core import engine
+from hsdjax.core.drafters.pld import PromptLookupDrafter
+from hsdjax.core.drafters.sps import DraftLMDrafter
+from hsdjax.runtime.config import ModelConfig
+from hsdjax.runtime.model import Transformer, causal_mask, init_params
 from tests.conftest import TINY_LLAMA, chi2_pvalue, run_engine
 
 
@@ -49,7 +49,7 @@ def test_pld_greedy_equals_ar(llama, seed, n, max_new):
 def test_lookup_chains_are_as_long_as_their_match_earns():
     """``lookup_by_match``: the chain of a match of n tokens is cut to ``lengths[n - 1]`` (and to what the
     context holds); with one length from ``min_ngram`` on it is ``lookup_continuations`` itself."""
-    from hsdjax.drafters.pld import fixed_lengths, lookup_by_match, lookup_continuations
+    from hsdjax.core.drafters.pld import fixed_lengths, lookup_by_match, lookup_continuations
 
     #                  0  1  2  3  4  5  6  7  8  9 10 11 12 13
     seq = jnp.array([[5, 6, 7, 8, 9, 1, 2, 3, 4, 9, 6, 7, 8, 0],    # ends 6 7 8: a 3-token match at 1..3
@@ -77,7 +77,7 @@ def test_lookup_chains_are_as_long_as_their_match_earns():
 def test_one_lookup_continuation_is_the_best_of_several(seed, vocab, max_ngram):
     """Width 1 takes the first maximum by argmax (XLA's CPU top_k sorts the row); it must be the first
     of what top_k gives at width 2: the same chain, length and n-gram, also for rows without a match."""
-    from hsdjax.drafters.pld import lookup_continuations
+    from hsdjax.core.drafters.pld import lookup_continuations
 
     rng = np.random.RandomState(seed)
     seq = jnp.asarray(rng.randint(0, vocab, (4, 24)), jnp.int32)
@@ -172,7 +172,7 @@ SMALL = ModelConfig(family="llama", vocab_size=6, hidden_size=16, intermediate_s
 
 def exact_joint(cfg, params, prompt, temperature, top_p, top_k=0):
     """Exact distribution of the first three sampled tokens under the adjusted target."""
-    from hsdjax.sampling import SamplingParams, target_probs
+    from hsdjax.core.sampling import SamplingParams, target_probs
 
     v = cfg.vocab_size
     seqs = np.array([prompt + list(c) for c in itertools.product(range(v), repeat=3)], np.int32)
@@ -244,7 +244,7 @@ def test_engine_sampling_test_catches_a_wrong_residual(monkeypatch):
     """The same statistic, with the engine's residual step broken, must fail."""
     import functools
 
-    from hsdjax import engine, verify
+    from hsdjax.core import engine, verify
 
     broken = functools.partial(verify.verify_chain_sampled, residual=lambda p, q: p)
     monkeypatch.setattr(engine, "verify_chain_sampled", broken)
@@ -257,7 +257,7 @@ def test_engine_sampling_test_catches_a_wrong_residual(monkeypatch):
 
 @pytest.mark.slow  # real-model pld (33 s); test_cpu_matmul runs hsd == ar, test_bench pld
 def test_smollm2_pld_greedy_equals_ar_on_real_prompts(smollm):
-    from hsdjax.api import Generator
+    from hsdjax.frontends.api import Generator
 
     ar, pld = Generator(smollm, "ar"), Generator(smollm, "pld")
     prompts = ["Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",

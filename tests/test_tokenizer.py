@@ -1,4 +1,4 @@
-"""hsdjax.tokenizer against transformers' GGUF tokenizer: encode, decode, chat templates, streaming."""
+"""hsdjax.runtime.tokenizer against transformers' GGUF tokenizer: encode, decode, chat templates, streaming."""
 
 import importlib.util
 import json
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hsdjax.errors import HsdjaxError
-from hsdjax.tokenizer import IncrementalDecoder, Tokenizer, _read_gguf_metadata
+from hsdjax.runtime.tokenizer import IncrementalDecoder, Tokenizer, _read_gguf_metadata
 
 
 def _smollm_gguf() -> Path | None:

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from hsdjax.drafters.checkpoint import frozen_from_params, load_drafter, save_drafter
-from hsdjax.drafters.feature import FeatureConfig
+from hsdjax.core.drafters.checkpoint import frozen_from_params, load_drafter, save_drafter
+from hsdjax.core.drafters.feature import FeatureConfig
 from hsdjax.errors import HsdjaxError
-from hsdjax.model import init_params
+from hsdjax.runtime.model import init_params
 from hsdjax.train.datagen import RecordingDrafter, flatten_recorded, fused_layer_indices
 from hsdjax.train.train import WindowData, document_span, draft_vocab, train
 from tests.conftest import TINY_LLAMA, run_engine
@@ -47,7 +47,7 @@ def test_recorded_states_match_a_teacher_forced_pass(recorded):
     """What the recording drafter stored during decoding equals a fresh forward over the sequence."""
     import jax.numpy as jnp
 
-    from hsdjax.model import Transformer, causal_mask
+    from hsdjax.runtime.model import Transformer, causal_mask
 
     params, layers, prompts, data = recorded
     doc0 = data["doc"] == 0
@@ -86,8 +86,8 @@ def test_training_learns_resumes_and_drafts(recorded, tmp_path, method):
     path = save_drafter(tmp_path / "d.safetensors", fc, more["params"], vocab_ids, layers[:-1], target, {"x": 1})
     cfg2, layers2, dparams, meta = load_drafter(path, target, method)
     assert cfg2 == fc and meta["info"] == {"x": 1}
-    from hsdjax.drafters.eagle import EagleDrafter
-    from hsdjax.drafters.hsd import HSDDrafter
+    from hsdjax.core.drafters.eagle import EagleDrafter
+    from hsdjax.core.drafters.hsd import HSDDrafter
 
     cls = HSDDrafter if method == "hsd" else EagleDrafter
     drafter = cls(cfg=cfg2, layers=layers2, depth=4, width=2, budget=6)
@@ -143,9 +143,9 @@ def test_an_interrupted_training_run_saves_its_steps_and_resumes_from_them(recor
 def test_a_narrow_drafter_trains_loads_counts_its_work_and_is_lossless(recorded, tmp_path, method):
     """``width`` < the target's E: the layer runs W wide, ``lift`` maps its states to E for the head
     and the regression; fewer parameters, the work counter equals its matrices, still lossless."""
-    from hsdjax.drafters.eagle import EagleDrafter
-    from hsdjax.drafters.feature import init_net
-    from hsdjax.drafters.hsd import HSDDrafter
+    from hsdjax.core.drafters.eagle import EagleDrafter
+    from hsdjax.core.drafters.feature import init_net
+    from hsdjax.core.drafters.hsd import HSDDrafter
 
     params, layers, prompts, data = recorded
     wide = FeatureConfig(method=method, hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
@@ -241,7 +241,7 @@ def test_trained_head_correction_is_learned_saved_and_folded_into_the_head(recor
     lossless)."""
     import ml_dtypes
 
-    from hsdjax.drafters.hsd import HSDDrafter
+    from hsdjax.core.drafters.hsd import HSDDrafter
 
     params, layers, prompts, data = recorded
     fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
@@ -270,7 +270,7 @@ def test_trained_head_correction_is_learned_saved_and_folded_into_the_head(recor
 def test_training_can_start_from_a_trained_drafter(recorded, tmp_path):
     """The train setting ``init``: a run starts from an exported drafter's weights and draft vocabulary
     (more data for a trained drafter); a checkpoint of another shape or other layers is refused."""
-    from hsdjax.drafters.checkpoint import warm_start
+    from hsdjax.core.drafters.checkpoint import warm_start
 
     params, layers, prompts, data = recorded
     fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,
@@ -327,7 +327,7 @@ def chain_training_setup(recorded, **settings):
     """(config, batch, frozen pieces, fresh params, loss options) of a tiny `hsd` with ``settings``."""
     import jax.numpy as jnp
 
-    from hsdjax.drafters.feature import init_net
+    from hsdjax.core.drafters.feature import init_net
 
     params, layers, prompts, data = recorded
     fc = FeatureConfig(method="hsd", hidden=CFG.hidden_size, heads=2, kv_heads=1, head_dim=8, mlp=64, vocab=64,

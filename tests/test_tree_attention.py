@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsdjax.config import BACKENDS, ModelConfig, resolve_backend
 from hsdjax.errors import HsdjaxError
 from hsdjax.kernels.tree_attention import (
     MASKED_SCORE,
@@ -20,6 +19,7 @@ from hsdjax.kernels.tree_attention import (
     tree_attention,
     tree_attention_reference,
 )
+from hsdjax.runtime.config import BACKENDS, ModelConfig, resolve_backend
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsdjax.sampling import SamplingParams
-from hsdjax.tree import DraftTree, ancestor_mask, chain, chains_to_tree
-from hsdjax.verify import residual_probs, verify_chain_sampled, verify_tree
+from hsdjax.core.sampling import SamplingParams
+from hsdjax.core.tree import DraftTree, ancestor_mask, chain, chains_to_tree
+from hsdjax.core.verify import residual_probs, verify_chain_sampled, verify_tree
 from tests.conftest import chi2_pvalue
 
 chains_strategy = st.integers(1, 4).flatmap(lambda w: st.integers(1, 4).flatmap(lambda d: st.tuples(
@@ -162,7 +162,7 @@ def test_sampled_chain_greedy_rows_reduce_to_argmax_matching():
 def test_tree_rule_first_tokens_follow_target(temperature, top_p):
     """Under sampling, the deterministic-tree rule emits root tokens distributed as the adjusted target,
     and the bonus is drawn from *adjusted* logits (a known bug elsewhere: unadjusted bonus)."""
-    from hsdjax.sampling import target_probs
+    from hsdjax.core.sampling import target_probs
 
     v = 6
     rng = np.random.RandomState(4)
@@ -179,7 +179,7 @@ def test_tree_rule_first_tokens_follow_target(temperature, top_p):
 @settings(max_examples=30, deadline=None)
 @given(chains_strategy)
 def test_compact_keeps_the_tree(data):
-    from hsdjax.tree import compact
+    from hsdjax.core.tree import compact
 
     chains, lengths = data
     tree = chains_to_tree(jnp.array([3]), jnp.array([chains]), jnp.array([lengths]))
@@ -194,7 +194,7 @@ def test_compact_keeps_the_tree(data):
 def test_graft_chain_adds_the_chain_once(data, extra, length):
     """A grafted chain adds exactly its prefixes (a first token the tree already has at depth 1 is
     shared, not repeated); parents stay earlier slots, depths consistent, the old nodes untouched."""
-    from hsdjax.tree import graft_chain
+    from hsdjax.core.tree import graft_chain
 
     chains, lengths = data
     tree = chains_to_tree(jnp.array([7]), jnp.array([chains]), jnp.array([lengths]))

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-import hsdjax.methods as methods
-import hsdjax.tune as tune_mod
+import hsdjax.core.methods as methods
+import hsdjax.frontends.tune as tune_mod
+from hsdjax.core.methods import make_drafter
 from hsdjax.errors import HsdjaxError
-from hsdjax.methods import make_drafter
 
 QUESTION = {"question_id": 1, "category": "math",
             "turns": ["Tom has 3 apples and buys 4 more. Then he gives 2 away. How many apples does he have?"]}
@@ -75,7 +75,7 @@ def test_tune_rejects_methods_without_a_tree(qfile):
 def test_shipped_setting_applies_to_the_shipped_drafter_only(tuned_dir, smollm, tmp_path, monkeypatch):
     import jax
 
-    from hsdjax.drafters.checkpoint import shipped_path
+    from hsdjax.core.drafters.checkpoint import shipped_path
 
     shipped = tmp_path / "shipped.json"
     shipped.write_text(json.dumps({"smollm2-135m": {"hsd": {jax.default_backend(): {"depth": 2, "width": 2,

@@ -35,16 +35,17 @@ import ml_dtypes
 import numpy as np
 from jaxtyping import Array, Int
 
-from hsdjax import engine, sharding
-from hsdjax.api import Generator
-from hsdjax.batch import RowPool
-from hsdjax.drafters.base import ARDrafter
-from hsdjax.drafters.checkpoint import frozen_from_target
+from hsdjax.core import engine
+from hsdjax.core.batch import RowPool
+from hsdjax.core.drafters.base import ARDrafter
+from hsdjax.core.drafters.checkpoint import frozen_from_target
+from hsdjax.core.sampling import top_k_blocked
 from hsdjax.errors import HsdjaxError
-from hsdjax.sampling import top_k_blocked
+from hsdjax.frontends.api import Generator
 from hsdjax.jsonl import read_objects
 from hsdjax.kernels.cpu_matmul import panel_matmul
-from hsdjax.sharding import to_host
+from hsdjax.runtime import sharding
+from hsdjax.runtime.sharding import to_host
 
 MANIFEST_FORMAT = 2  # 2: shards list their prompts' stream indices (continuous batching)
 PERF_KEYS = ("dir", "token_budget", "batch", "refill_every", "chunk", "shard_tokens")  # not part of the data
@@ -350,7 +351,7 @@ class ContinuousRecorder:
     jobs (groups of ``PREFILL_SIZES`` rows, so few prefill shapes compile and none is padded). Finished
     rows still cost a slot in every round, so the batch starts no larger than its work needs and, once
     the queue is empty, shrinks by 4x whenever the busy rows fit (``batch_sizes``). The rows are a
-    ``hsdjax.batch.RowPool``, as the server's."""
+    ``hsdjax.core.batch.RowPool``, as the server's."""
 
     def __init__(self, gen: Generator, *, batch: int, cache_size: int, max_new: int, temperature: float, seed: int,
                  refill_every: int, work: RecorderWork | None = None):

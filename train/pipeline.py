@@ -58,7 +58,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
         if unknown:  # a misspelt setting would otherwise be silently ignored
             raise HsdjaxError(f"{path}: unknown {section} setting(s) {', '.join(map(repr, unknown))}; known: "
                               f"{', '.join(sorted(known))}")
-    from hsdjax.drafters.feature import INJECTIONS
+    from hsdjax.core.drafters.feature import INJECTIONS
 
     injection = cfg.get("drafter", {}).get("injection", DRAFTER_DEFAULTS["injection"])
     if injection not in INJECTIONS:
@@ -111,8 +111,8 @@ def run(config_path: str | Path, *, stage: str = "all", out: str | None = None, 
     sharded over it for data generation (``load_model(..., mesh=)``) and the drafter trains
     data-parallel over its ``data`` axis.
     """
-    from hsdjax.api import load_model
-    from hsdjax.loading import load_target_parts
+    from hsdjax.frontends.api import load_model
+    from hsdjax.runtime.loading import load_target_parts
     from hsdjax.train.datagen import generate_data
     from hsdjax.train.train import TRAIN_DEFAULTS, check_data_parallel
 
@@ -199,10 +199,10 @@ def train_from_config(cfg: dict[str, Any], model: Any, folder: Path, *, out: str
 
     ``new_data_only``: with a warm start, train on the shards past the checkpoint's own data alone (the
     same prompt sequence continued; ``seen_answers``); the held-out tail is then new to it as well."""
-    from hsdjax.drafters.checkpoint import frozen_from_target, read_meta, save_drafter, shipped_path, warm_start
-    from hsdjax.drafters.feature import FeatureConfig
+    from hsdjax.core.drafters.checkpoint import frozen_from_target, read_meta, save_drafter, shipped_path, warm_start
+    from hsdjax.core.drafters.feature import FeatureConfig
     from hsdjax.paths import cache_dir
-    from hsdjax.sharding import to_host
+    from hsdjax.runtime.sharding import to_host
     from hsdjax.train.datagen import load_shards
     from hsdjax.train.train import TRAIN_DEFAULTS, draft_vocab, train
 

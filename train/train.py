@@ -37,14 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from hsdjax.drafters.feature import FeatureConfig, FeatureDrafterNet, draft_head, init_net
+from hsdjax.core.drafters.feature import FeatureConfig, FeatureDrafterNet, draft_head, init_net
 from hsdjax.errors import HsdjaxError
 from hsdjax.kernels.tree_attention import MASKED_SCORE
-from hsdjax.model import rms_norm
-from hsdjax.weights import flatten
+from hsdjax.runtime.model import rms_norm
+from hsdjax.runtime.weights import flatten
 
 TRAIN_DEFAULTS = {
     "window": 256, "batch": 8, "rollout": 4, "epochs": 2.0, "lr": 1e-3, "warmup": 50, "weight_decay": 0.01,

@@ -1,0 +1,106 @@
+"""The running batch of a continuous batcher: one ``DecodeState`` whose rows belong to items (the
+server's choices, the data recorder's conversations) or are free, held at one of a few batch sizes (one
+compiled decode program each).
+
+Rows come in from a freshly prefilled state (``place``: the state is created, or grown to a larger
+size, as needed), leave when their item is done (``release``), and the busy rows are compacted into a
+smaller size when they fit (``shrink``). The server's scheduler (``hsdjax.frontends.serving.scheduler``) and the
+drafter-data recorder (``train.datagen.ContinuousRecorder``) both run over it, each adding only its own
+policy: when to admit, when to shrink, what a finished row becomes.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Sequence, TypeVar
+
+import jax.numpy as jnp
+import numpy as np
+
+from hsdjax.core import engine
+
+T = TypeVar("T")
+
+
+class RowPool(Generic[T]):
+    """``state``'s rows and who owns them: ``slots[i]`` is row i's item, None while the row is free."""
+
+    def __init__(self, sizes: Sequence[int]):
+        self.sizes = tuple(sorted(set(sizes)))
+        self.state: engine.DecodeState | None = None
+        self.slots: list[T | None] = []
+
+    @property
+    def size(self) -> int:
+        """Rows of the running state (0 without one)."""
+        return len(self.slots)
+
+    def busy(self) -> list[int]:
+        return [i for i, item in enumerate(self.slots) if item is not None]
+
+    def free(self) -> list[int]:
+        return [i for i, item in enumerate(self.slots) if item is None]
+
+    def any_busy(self) -> bool:
+        return any(item is not None for item in self.slots)
+
+    def size_for(self, rows: int) -> int:
+        """The smallest batch size holding ``rows`` rows (the largest when none does)."""
+        return min((s for s in self.sizes if s >= rows), default=self.sizes[-1])
+
+    def place(self, new: engine.DecodeState, items: Sequence[T], at_least: int = 0) -> list[int]:
+        """Rows ``0 .. len(items) - 1`` of ``new`` into free rows, one per item (rows of ``new`` beyond
+        them are dropped). The state is created at, or first grown to, the size that holds the busy rows,
+        the new ones and ``at_least`` rows. Returns the rows the items got."""
+        k = len(items)
+        want = self.size_for(max(len(self.busy()) + k, at_least))
+        if self.state is None:
+            rows = np.full((want,), -1, np.int32)
+            rows[:k] = np.arange(k)
+            same = want == k == new.gen.seq_len.shape[0]
+            self.state = new if same else engine.take_rows(new, jnp.asarray(rows))
+            self.slots = [None] * want
+            got = list(range(k))
+        else:
+            if want > self.size:
+                self._grow(want)
+            got = self.free()[:k]
+            if len(got) < k:
+                raise ValueError(f"{k} rows do not fit in the {len(got)} free rows of a batch of {self.size}")
+            target = got + [self.size] * (new.gen.seq_len.shape[0] - k)  # past the end: dropped
+            self.state = engine.insert_rows(self.state, new, jnp.asarray(target, jnp.int32))
+        for i, item in zip(got, items):
+            self.slots[i] = item
+        return got
+
+    def _grow(self, size: int) -> None:
+        """The running rows stay where they are; rows ``self.size ..`` are new and free."""
+        rows = np.arange(size, dtype=np.int32)
+        rows[self.size:] = -1
+        self.state = engine.take_rows(self.state, jnp.asarray(rows))
+        self.slots += [None] * (size - self.size)
+
+    def release(self, i: int) -> T | None:
+        """Row ``i`` is free again (its computation is the caller's to stop); returns its item."""
+        item, self.slots[i] = self.slots[i], None
+        return item
+
+    def shrink(self, size: int | None = None) -> None:
+        """Move the busy rows, in order, into a state of ``size`` rows (default: the smallest size that
+        holds them) when that is smaller; drop the state when no row is busy."""
+        busy = self.busy()
+        if not busy:
+            self.clear()
+            return
+        size = size or self.size_for(len(busy))
+        if size < len(busy):
+            raise ValueError(f"{len(busy)} busy rows do not fit in a batch of {size}")
+        if size >= self.size:
+            return
+        rows = np.full((size,), -1, np.int32)
+        rows[: len(busy)] = busy
+        self.state = engine.take_rows(self.state, jnp.asarray(rows))
+        self.slots = [self.slots[i] for i in busy] + [None] * (size - len(busy))
+
+    def clear(self) -> None:
+        """No running state (frees its KV cache)."""
+        self.state, self.slots = None, []
