@@ -294,3 +294,121 @@ def test_first_prompt_starts_a_new_slice_of_the_same_stream(params, tmp_path):
         generate_data(model, dict(cfg, first_prompt=12), tmp_path / "none", progress=False)
     with pytest.raises(HsdjaxError, match="first_prompt must be"):
         generate_data(model, dict(cfg, first_prompt=-1), tmp_path / "bad", progress=False)
+
+
+# ------------------------------------------------------------------------------------------ recorded answers
+def no_generation(monkeypatch):
+    """Make any decode call of the recorder an error: what follows must not generate a token."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("generated tokens")
+
+    monkeypatch.setattr(datagen.ContinuousRecorder, "run", refuse)
+
+
+def man_key(folder):
+    """The data key of a data folder's settings, as its manifest records them."""
+    man = json.loads((folder / "manifest.json").read_text())
+    return datagen.data_key(man["target_fingerprint"], man["config"])
+
+
+def test_recorded_answers_rebuild_the_data_without_generating(params, tmp_path, monkeypatch):
+    """A data run writes each shard's answers as a compressed piece; a fresh data folder (another
+    machine's cache) is rebuilt from the pieces alone by teacher-forced passes: the same documents,
+    answer masks and shard boundaries, states and top ids as generation recorded them."""
+    prompts = random_prompts(24, seed=7)
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", prompts), answers=str(tmp_path / "answers"),
+               rerecord_batch=4)
+    model = tiny_model(params, chat=False)
+    man = generate_data(model, cfg, tmp_path / "first", progress=False)
+    pieces = json.loads((tmp_path / "answers" / "manifest.json").read_text())
+    assert len(pieces["pieces"]) == len(man["shards"]) >= 3
+    assert [p["prompts"] for p in pieces["pieces"]] == [s["prompts"] for s in man["shards"]]
+    assert pieces["tokens"] == man["tokens"] and pieces["answer_tokens"] == man["answer_tokens"]
+    assert pieces["target_fingerprint"] == model.fingerprint
+    assert pieces["data_key"] == datagen.data_key(model.fingerprint, cfg) == man_key(tmp_path / "first")
+    assert datagen.data_key(model.fingerprint, cfg) == datagen.data_key(model.fingerprint, {
+        k: v for k, v in cfg.items() if k not in ("answers", "rerecord_batch")})  # where answers live is not data
+
+    no_generation(monkeypatch)
+    again = generate_data(model, cfg, tmp_path / "second", progress=False)
+    assert again["rerecorded_tokens"] == again["tokens"] == man["tokens"] and again["rerecord_s"] > 0
+    assert [s["prompts"] for s in again["shards"]] == [s["prompts"] for s in man["shards"]]
+    first, _ = docs_by_prompt(tmp_path / "first")
+    second, _ = docs_by_prompt(tmp_path / "second")
+    assert sorted(second) == sorted(first) == list(range(24))
+    for i in first:
+        a, b = first[i], second[i]
+        assert np.array_equal(a["tokens"], b["tokens"]) and np.array_equal(a["answer"], b["answer"]), i
+        assert np.array_equal(a["top_ids"][:, 0], b["top_ids"][:, 0]), i
+        np.testing.assert_allclose(np.asarray(b["states"], np.float32), np.asarray(a["states"], np.float32),
+                                   atol=0.05, rtol=0.02)
+    teacher_forced_check(params, second[3])
+    # a rerun finds everything there: nothing re-recorded, nothing written
+    assert generate_data(model, cfg, tmp_path / "second", progress=False)["shards"] == again["shards"]
+
+
+def test_a_run_continues_from_committed_pieces_and_exports_older_data(params, tmp_path):
+    """A budget-cut run leaves pieces; another folder with a larger budget re-records them and generates
+    only the prompts no piece holds, ending with the same documents as one uninterrupted run. Data made
+    before answers were kept become pieces from its shards."""
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(26, seed=8)))
+    model = tiny_model(params)
+    generate_data(model, cfg, tmp_path / "whole", progress=False)
+    whole, _ = docs_by_prompt(tmp_path / "whole")
+
+    kept = dict(cfg, answers=str(tmp_path / "answers"))
+    cut = generate_data(model, dict(kept, token_budget=400), tmp_path / "machine1", progress=False)
+    held = {i for p in json.loads((tmp_path / "answers" / "manifest.json").read_text())["pieces"] for i in p["prompts"]}
+    assert not cut["complete"] and 0 < len(held) < 26
+    man = generate_data(model, kept, tmp_path / "machine2", progress=False)
+    assert man["complete"] and man["rerecorded_tokens"] == cut["tokens"]
+    got, _ = docs_by_prompt(tmp_path / "machine2")
+    assert sorted(got) == list(range(26))
+    for i in whole:
+        assert np.array_equal(got[i]["tokens"], whole[i]["tokens"]), i
+    answers = json.loads((tmp_path / "answers" / "manifest.json").read_text())
+    assert sorted(i for p in answers["pieces"] for i in p["prompts"]) == list(range(26))
+
+    # the uninterrupted run's folder, kept before answers were: its shards become pieces, nothing generated
+    generate_data(model, dict(cfg, answers=str(tmp_path / "exported")), tmp_path / "whole", progress=False)
+    exported = json.loads((tmp_path / "exported" / "manifest.json").read_text())
+    assert exported["tokens"] == sum(len(v["tokens"]) for v in whole.values())
+
+
+def test_answers_of_another_target_or_a_damaged_piece_are_refused(params, tmp_path):
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(8, seed=9)),
+               answers=str(tmp_path / "answers"))
+    model = tiny_model(params)
+    generate_data(model, cfg, tmp_path / "d", progress=False)
+    other = LoadedModel("tiny", CFG, params, StubTokenizer(), None, "another-weights", {})
+    with pytest.raises(HsdjaxError, match="holds the answers of target 'tiny' .*not of this run's"):
+        generate_data(other, cfg, tmp_path / "o", progress=False)
+    with pytest.raises(HsdjaxError, match="holds the answers of data settings"):
+        generate_data(model, dict(cfg, max_new_tokens=19), tmp_path / "s", progress=False)
+    piece = tmp_path / "answers" / "piece_00000.npz"
+    data = piece.read_bytes()
+    piece.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(HsdjaxError, match="sha256 differs"):
+        generate_data(model, cfg, tmp_path / "fresh", progress=False)
+    with pytest.raises(HsdjaxError, match="data.answers must be a folder path"):
+        datagen.data_settings(dict(cfg, answers=3))
+
+
+def test_answer_pieces_are_compact(tmp_path):
+    """Token ids as 16 bits where the vocabulary fits, the mask as bits, compressed: about 2 bytes a token
+    before compression; ids past 65535 keep 32 bits; reading returns exactly what was written."""
+    from hsdjax.train.answers import AnswerStore
+
+    rng = np.random.RandomState(0)
+    docs = [{"tokens": rng.randint(0, 49152, n).astype(np.int32), "answer": rng.rand(n) < 0.7} for n in (300, 5, 700)]
+    store = AnswerStore(tmp_path / "a", {"target_fingerprint": "x", "tokenizer": None, "data_key": "k"})
+    entry = store.add(docs, [4, 9, 2])
+    assert (tmp_path / "a" / entry["file"]).stat().st_size < 2.3 * 1005 + 1500
+    back = AnswerStore(tmp_path / "a", {"target_fingerprint": "x", "tokenizer": None, "data_key": "k"})
+    got = back.read(back.pieces[0])
+    assert [d["prompt"] for d in got] == [4, 9, 2]
+    for d, w in zip(got, docs):
+        assert np.array_equal(d["tokens"], w["tokens"]) and np.array_equal(d["answer"], w["answer"])
+    wide = [{"tokens": np.array([70000, 3], np.int32), "answer": np.array([False, True])}]
+    back.add(wide, [11])
+    assert np.array_equal(back.read(back.pieces[1])[0]["tokens"], [70000, 3])

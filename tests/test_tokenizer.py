@@ -150,6 +150,15 @@ def test_from_gguf_equals_from_gguf_reader(smol, smol_reader):
     assert repr(tok) == repr(smol) and tok.stop_ids == smol.stop_ids
     assert tok.chat_template == smol.chat_template
     assert tok.backend.to_str() == smol.backend.to_str()
+    assert tok.fingerprint == smol.fingerprint  # what recorded answers are bound to (train/answers.py)
+
+
+def test_fingerprint_changes_with_what_decides_ids(smol):
+    kwargs = dict(bos_id=smol.bos_id, eos_id=smol.eos_id, unk_id=smol.unk_id, pad_id=smol.pad_id, add_bos=smol.add_bos,
+                  chat_template=smol.chat_template, vocab_size=smol.vocab_size, extra_stop_ids=smol.stop_ids)
+    assert len(smol.fingerprint) == 64 and Tokenizer(smol.backend, **kwargs).fingerprint == smol.fingerprint
+    for change in ({"chat_template": "{{ messages[0].content }}"}, {"bos_id": 7}, {"add_bos": not smol.add_bos}):
+        assert Tokenizer(smol.backend, **{**kwargs, **change}).fingerprint != smol.fingerprint, change
 
 
 def test_metadata(smol, hf_smol):

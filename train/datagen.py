@@ -46,9 +46,11 @@ from hsdjax.jsonl import read_objects
 from hsdjax.kernels.cpu_matmul import panel_matmul
 from hsdjax.runtime import sharding
 from hsdjax.runtime.sharding import to_host
+from hsdjax.train.answers import AnswerStore, shard_documents
 
 MANIFEST_FORMAT = 2  # 2: shards list their prompts' stream indices (continuous batching)
-PERF_KEYS = ("dir", "token_budget", "batch", "refill_every", "chunk", "shard_tokens")  # not part of the data
+PERF_KEYS = ("dir", "answers", "token_budget", "batch", "refill_every", "chunk", "shard_tokens",
+             "rerecord_batch")  # not part of the data
 PREFILL_SIZES = (16, 4, 1)  # new rows are prefilled in groups of these sizes (few compiled shapes, no padding)
 
 
@@ -155,7 +157,7 @@ def data_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, default in (("token_budget", 1_000_000), ("batch", 64), ("refill_every", 16), ("chunk", 4096),
                          ("shard_tokens", 16384), ("max_prompt_tokens", 384), ("max_new_tokens", 256),
-                         ("top_k_logits", 8), ("max_turns", 2)):
+                         ("top_k_logits", 8), ("max_turns", 2), ("rerecord_batch", 8)):
         v = data_cfg.get(key, default)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise HsdjaxError(f"data.{key} must be a positive integer (got {v!r})")
@@ -169,6 +171,10 @@ def data_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(first, int) or isinstance(first, bool) or first < 0:
         raise HsdjaxError(f"data.first_prompt must be a whole number >= 0 (got {first!r})")
     out["first_prompt"] = first
+    answers = data_cfg.get("answers")
+    if answers is not None and (not isinstance(answers, str) or not answers.strip()):
+        raise HsdjaxError(f"data.answers must be a folder path (got {answers!r})")
+    out["answers"] = answers
     return out
 
 
@@ -465,8 +471,9 @@ def next_turn(tok: Any, job: Job, raw: dict[str, Any], max_prompt: int) -> Job |
 class ShardSink:
     """Collects finished documents and writes a shard whenever ``shard_tokens`` are buffered."""
 
-    def __init__(self, writer: DataWriter, shard_tokens: int, bar: Any):
+    def __init__(self, writer: DataWriter, shard_tokens: int, bar: Any, answers: AnswerStore | None = None):
         self.writer, self.shard_tokens, self.bar = writer, shard_tokens, bar
+        self.answers = answers  # each shard's answers also become a piece there
         self.docs: list[dict[str, np.ndarray]] = []
         self.prompts: list[int] = []
         self.sources = set(writer.manifest.get("sources", []))
@@ -500,6 +507,8 @@ class ShardSink:
         man["work"] = self.work.add_to(self.work_before)
         now = time.perf_counter()
         self.writer.add(arrays, self.prompts, now - self.t0)
+        if self.answers is not None and jax.process_index() == 0:  # one writer of the repository's copy
+            self.answers.add(self.docs, self.prompts)
         self.t0, self.docs, self.prompts, self.buffered = now, [], [], 0
         self.bar.set_postfix(prompts=man["prompts_done"], answer_tok=man["answer_tokens"],
                              busy=f"{man['work']['occupancy']:.0%}")
@@ -516,6 +525,11 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
     writer = DataWriter(folder, meta)
     man = writer.manifest
     budget = opts["token_budget"]
+    answers = open_answers(model, data_cfg)
+    if answers is not None:
+        if jax.process_index() == 0:
+            export_shards(writer, answers)
+        rerecord_pieces(model, answers, writer, opts, progress=progress)
     if man["complete"] or man["tokens"] >= budget:  # complete = every prompt used; a larger budget continues
         return man
     stream = prompt_stream(data_cfg)
@@ -528,7 +542,7 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
     tok = model.tokenizer
     bar = tqdm(total=budget, initial=min(man["tokens"], budget), unit="tok", desc="drafter data",
                disable=not progress, smoothing=0.1)
-    sink = ShardSink(writer, opts["shard_tokens"], bar)
+    sink = ShardSink(writer, opts["shard_tokens"], bar, answers)
     for start in range(0, len(todo), opts["chunk"]):
         if sink.tokens >= budget:
             break
@@ -539,6 +553,90 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
     man["complete"] = sink.tokens < budget  # every prompt was used before the budget ran out
     writer.save()
     return man
+
+
+# ------------------------------------------------------------------------------------------ recorded answers
+
+
+def open_answers(model: Any, data_cfg: dict[str, Any]) -> AnswerStore | None:
+    """The folder of recorded answers ``data.answers`` names (None when it names none), bound to this
+    target, its tokenizer and these data settings (see ``hsdjax.train.answers``)."""
+    opts = data_settings(data_cfg)
+    if opts["answers"] is None:
+        return None
+    settings = {k: v for k, v in data_cfg.items() if k not in PERF_KEYS}
+    meta = {"target": model.name, "target_fingerprint": model.fingerprint,
+            "tokenizer": getattr(model.tokenizer, "fingerprint", None),
+            "data_key": data_key(model.fingerprint, data_cfg), "settings": settings}
+    return AnswerStore(opts["answers"], meta)
+
+
+def export_shards(writer: DataWriter, answers: AnswerStore) -> int:
+    """Pieces for the data folder's shards whose prompts no piece holds yet (data generated before the
+    folder of answers was named); returns how many were written."""
+    held, written = answers.held_prompts(), 0
+    for shard in writer.manifest["shards"]:
+        if not shard.get("prompts") or set(shard["prompts"]) <= held:
+            continue
+        with np.load(writer.folder / shard["file"]) as z:
+            docs = shard_documents({k: z[k] for k in ("tokens", "answer", "doc")})
+        keep = [(d, p) for d, p in zip(docs, shard["prompts"]) if p not in held]
+        answers.add([d for d, _ in keep], [p for _, p in keep])
+        written += 1
+    return written
+
+
+def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: dict[str, Any], *,
+                    progress: bool = True) -> int:
+    """Shards for the recorded answers the data folder lacks, piece by piece until the token budget, by
+    a teacher-forced pass over each document (``teacher_forced``): no token is generated. A piece
+    becomes one shard, so a killed run resumes at the next piece. Returns the tokens re-recorded."""
+    from tqdm import tqdm
+
+    done, budget = writer.done_prompts(), opts["token_budget"]
+    todo = [p for p in answers.pieces if not set(p["prompts"]) <= done]
+    if not todo or writer.manifest["tokens"] >= budget:
+        return 0
+    total = min(sum(p["tokens"] for p in todo), budget - writer.manifest["tokens"])
+    gen = recording_generator(model, opts["top_k_logits"])
+    bar = tqdm(total=total, unit="tok", desc="re-recording answers", disable=not progress, smoothing=0.1)
+    recorded = 0
+    for piece in todo:
+        if writer.manifest["tokens"] >= budget:
+            break
+        docs = [d for d in answers.read(piece) if d["prompt"] not in done]
+        t0 = time.perf_counter()
+        records = teacher_forced(gen, [d["tokens"] for d in docs], opts["rerecord_batch"])
+        for d, rec in zip(docs, records):
+            rec["tokens"], rec["answer"] = d["tokens"], d["answer"]
+        arrays = {k: np.concatenate([r[k] for r in records]) for k in records[0]}
+        arrays["doc"] = np.concatenate([np.full(len(r["tokens"]), i, np.int32) for i, r in enumerate(records)])
+        seconds = time.perf_counter() - t0
+        man = writer.manifest
+        man["rerecorded_tokens"] = man.get("rerecorded_tokens", 0) + int(arrays["tokens"].size)
+        man["rerecord_s"] = round(man.get("rerecord_s", 0.0) + seconds, 2)
+        writer.add(arrays, [d["prompt"] for d in docs], seconds)
+        recorded += int(arrays["tokens"].size)
+        bar.update(int(arrays["tokens"].size))
+    bar.close()
+    return recorded
+
+
+def teacher_forced(gen: Generator, docs: list[np.ndarray], batch: int) -> list[dict[str, np.ndarray]]:
+    """What the recorder records for each document (``states``, ``top_logits``, ``top_ids`` at each of
+    its positions), from one prefill over its tokens (``gen``: a ``recording_generator``) instead of
+    generating them: documents sorted by length, ``batch`` rows per prefill."""
+    order = sorted(range(len(docs)), key=lambda i: (len(docs[i]), i))
+    out: list[dict[str, np.ndarray]] = [{} for _ in docs]
+    for start in range(0, len(order), batch):
+        group = order[start: start + batch]
+        state, _, _ = gen.prefill_rows([docs[i].tolist() for i in group], max_new_tokens=1, batch=batch)
+        rec = {k: to_host(v) for k, v in state.draft.items()}  # whole (a slice per length would compile)
+        for r, i in enumerate(group):
+            n = len(docs[i])
+            out[i] = {"states": rec["states"][r, :n].view(np.uint16), "top_logits": rec["top_logits"][r, :n],
+                      "top_ids": rec["top_ids"][r, :n]}
+    return out
 
 
 def _prompt_limit(model: Any, opts: dict[str, Any], drafter: RecordingDrafter, turn: int = 0) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import json
 import logging
 import mmap
@@ -559,6 +560,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         """Whether the model ships a chat template."""
         return self.chat_template is not None
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of everything that decides token ids: the vocabulary and merges, the special ids, BOS
+        handling and the chat template (recorded answers are bound to it)."""
+        parts = [self._backend.to_str(), repr((self.vocab_size, self.bos_id, self.eos_id, self.add_bos,
+                                               self.add_eos, self.stop_ids)), self.chat_template or ""]
+        return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token spelled as in the vocabulary (special tokens as written), or None."""
