@@ -606,7 +606,7 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
             break
         docs = [d for d in answers.read(piece) if d["prompt"] not in done]
         t0 = time.perf_counter()
-        records = teacher_forced(gen, [d["tokens"] for d in docs], opts["rerecord_batch"])
+        records, compile_s = teacher_forced(gen, [d["tokens"] for d in docs], opts["rerecord_batch"])
         for d, rec in zip(docs, records):
             rec["tokens"], rec["answer"] = d["tokens"], d["answer"]
         arrays = {k: np.concatenate([r[k] for r in records]) for k in records[0]}
@@ -615,6 +615,7 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
         man = writer.manifest
         man["rerecorded_tokens"] = man.get("rerecorded_tokens", 0) + int(arrays["tokens"].size)
         man["rerecord_s"] = round(man.get("rerecord_s", 0.0) + seconds, 2)
+        man["rerecord_compile_s"] = round(man.get("rerecord_compile_s", 0.0) + compile_s, 2)
         writer.add(arrays, [d["prompt"] for d in docs], seconds)
         recorded += int(arrays["tokens"].size)
         bar.update(int(arrays["tokens"].size))
@@ -622,21 +623,25 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
     return recorded
 
 
-def teacher_forced(gen: Generator, docs: list[np.ndarray], batch: int) -> list[dict[str, np.ndarray]]:
+def teacher_forced(gen: Generator, docs: list[np.ndarray], batch: int
+                   ) -> tuple[list[dict[str, np.ndarray]], float]:
     """What the recorder records for each document (``states``, ``top_logits``, ``top_ids`` at each of
     its positions), from one prefill over its tokens (``gen``: a ``recording_generator``) instead of
-    generating them: documents sorted by length, ``batch`` rows per prefill."""
+    generating them: documents sorted by length, ``batch`` rows per prefill. Also returns the seconds
+    spent compiling (once per prompt bucket and cache size)."""
     order = sorted(range(len(docs)), key=lambda i: (len(docs[i]), i))
     out: list[dict[str, np.ndarray]] = [{} for _ in docs]
+    compile_s = 0.0
     for start in range(0, len(order), batch):
         group = order[start: start + batch]
-        state, _, _ = gen.prefill_rows([docs[i].tolist() for i in group], max_new_tokens=1, batch=batch)
+        state, _, c = gen.prefill_rows([docs[i].tolist() for i in group], max_new_tokens=1, batch=batch)
+        compile_s += c
         rec = {k: to_host(v) for k, v in state.draft.items()}  # whole (a slice per length would compile)
         for r, i in enumerate(group):
             n = len(docs[i])
             out[i] = {"states": rec["states"][r, :n].view(np.uint16), "top_logits": rec["top_logits"][r, :n],
                       "top_ids": rec["top_ids"][r, :n]}
-    return out
+    return out, compile_s
 
 
 def _prompt_limit(model: Any, opts: dict[str, Any], drafter: RecordingDrafter, turn: int = 0) -> int:
