@@ -15,6 +15,10 @@ Measured in one process, greedy:
   ``compile_s``). A warm-up call on ``--warmup`` other prompts compiles the common shapes first.
 * ``fixed`` (with ``--fixed``): the old fixed-batch recorder on the same prompts, batches of 32 run to
   their longest answer.
+* ``rerecord``: the same data rebuilt in a fresh folder from the answers ``continuous`` kept
+  (``data.answers``), by teacher-forced prefills and no generation: what a machine without the data
+  pays for it when the answers are committed. Its recorded tokens/s (compile excluded) against
+  ``continuous``'s is the gain.
 
 Ratios are to ``ar``'s decode tokens/s. The machine may be shared: say so when quoting numbers.
 """
@@ -73,15 +77,18 @@ def rates(wall: float, compile_s: float, tokens: int, answers: int) -> dict:
             "recorded_tok_s": round(tokens / run, 1)}
 
 
-def run_continuous(model, data_cfg: dict, prompts_file: str, folder: Path) -> dict:
+def run_continuous(model, data_cfg: dict, prompts_file: str, folder: Path, answers: Path | None = None) -> dict:
+    """``generate_data`` into ``folder`` (keeping the answers in ``answers``; re-recording them from there
+    when it already holds them)."""
     from hsdjax.train.datagen import generate_data
 
-    cfg = dict(data_cfg, prompts=prompts_file, token_budget=10**9, source_weights={}, exclude_sources=[])
+    cfg = dict(data_cfg, prompts=prompts_file, token_budget=10**9, source_weights={}, exclude_sources=[],
+               answers=str(answers) if answers else None)
     c0, t0 = COMPILE_S[0], time.perf_counter()
     man = generate_data(model, cfg, folder, progress=False)
     wall = time.perf_counter() - t0
     work = man.get("work", {})
-    return {"prompts": man["prompts_done"],
+    return {"prompts": man["prompts_done"], "rerecorded_tokens": man.get("rerecorded_tokens", 0),
             **rates(wall, COMPILE_S[0] - c0, man["tokens"], man["answer_tokens"]),
             **{f"work_{k}": round(v, 1) if isinstance(v, float) else v for k, v in work.items()}}
 
@@ -134,14 +141,21 @@ def main() -> None:
         tmp = Path(tmp)
         if args.warmup:
             warm = stream_file(data_cfg, args.prompts, args.warmup, tmp)
-            log(f"warm-up: {run_continuous(model, data_cfg, warm, tmp / 'warm')}")
+            log(f"warm-up: {run_continuous(model, data_cfg, warm, tmp / 'warm', tmp / 'warm-answers')}")
         timed = stream_file(data_cfg, 0, args.prompts, tmp)
-        report["continuous"] = run_continuous(model, data_cfg, timed, tmp / "timed")
+        report["continuous"] = run_continuous(model, data_cfg, timed, tmp / "timed", tmp / "answers")
         log(f"continuous: {report['continuous']}")
+        if args.warmup:  # compiles the re-recording shapes, on the warm-up prompts' answers
+            run_continuous(model, data_cfg, warm, tmp / "warm-rerecorded", tmp / "warm-answers")
+        report["rerecord"] = run_continuous(model, data_cfg, timed, tmp / "rerecorded", tmp / "answers")
+        assert report["rerecord"]["rerecorded_tokens"] == report["rerecord"]["recorded_tokens"]  # nothing generated
+        log(f"rerecord: {report['rerecord']}")
         if args.fixed:
             report["fixed"] = run_fixed(model, data_cfg, timed)
             log(f"fixed: {report['fixed']}")
     ar = report["ar_decode_tok_s"]
+    report["rerecord"]["recorded_vs_continuous"] = round(
+        report["rerecord"]["recorded_tok_s"] / report["continuous"]["recorded_tok_s"], 2)
     for kind in ("continuous", "fixed"):
         if kind in report:
             r = report[kind]
@@ -162,6 +176,10 @@ def main() -> None:
             if "work_slot_rounds" in r:
                 print(f"  {'':>10}  decode calls {r['work_decode_s']} s, prefills {r['work_prefill_s']} s (compiles "
                       f"included), batch occupancy {r['work_occupancy']:.0%} (tokens generated per slot-round)")
+    r = report["rerecord"]
+    print(f"    rerecord: recorded {r['recorded_tok_s']} tok/s from the kept answers, no generation "
+          f"({r['recorded_vs_continuous']}x continuous's recorded tok/s); {r['recorded_tokens']} tokens in "
+          f"{r['wall_s']} s ({r['compile_s']} s of it compiling)")
 
 
 if __name__ == "__main__":
