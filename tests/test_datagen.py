@@ -412,3 +412,37 @@ def test_answer_pieces_are_compact(tmp_path):
     wide = [{"tokens": np.array([70000, 3], np.int32), "answer": np.array([False, True])}]
     back.add(wide, [11])
     assert np.array_equal(back.read(back.pieces[1])[0]["tokens"], [70000, 3])
+
+
+def test_answers_are_committed_as_the_run_goes(params, tmp_path):
+    """``commit_every_s``: the answers folder is committed to the git work tree holding it (that folder
+    only: another staged file stays staged), each piece in a commit when the interval is 0; a folder
+    outside a work tree, or committing without a folder, is refused before any work."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True,  # noqa: E731
+                                    check=True).stdout
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (repo / "other.txt").write_text("staged, not ours to commit\n")
+    git("add", "other.txt")
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(12, seed=10)),
+               answers=str(repo / "data" / "answers"))
+    model = tiny_model(params)
+    man = generate_data(model, cfg, tmp_path / "d", progress=False, commit_every_s=0.0, log=print)
+    pieces = json.loads((repo / "data" / "answers" / "manifest.json").read_text())["pieces"]
+    assert len(pieces) == len(man["shards"]) >= 2
+    log = git("log", "--format=%s").splitlines()
+    assert len(log) == len(pieces) and log[0].startswith(f"Drafter data: tiny answers, {len(pieces)} pieces")
+    assert sorted(git("ls-files", "data/answers").split()) == sorted(
+        ["data/answers/manifest.json"] + [f"data/answers/{p['file']}" for p in pieces])
+    assert git("status", "--porcelain").splitlines() == ["A  other.txt"]
+    with pytest.raises(HsdjaxError, match="not inside a git work tree"):
+        generate_data(model, dict(cfg, answers=str(tmp_path / "loose")), tmp_path / "e", progress=False,
+                      commit_every_s=60.0)
+    with pytest.raises(HsdjaxError, match="set data.answers"):
+        generate_data(model, {k: v for k, v in cfg.items() if k != "answers"}, tmp_path / "f", progress=False,
+                      commit_every_s=60.0)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +130,40 @@ def shard_documents(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]
     starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
     ends = np.r_[starts[1:], doc.size]
     return [{"tokens": arrays["tokens"][a:b], "answer": arrays["answer"][a:b]} for a, b in zip(starts, ends)]
+
+
+class GitCommits:
+    """Commits a folder of answers to the git work tree that holds it while a data run goes: after a piece
+    is written, when ``every_s`` seconds have passed since the last commit (0: after every piece), and at
+    the end. Only that folder is committed (other staged or changed files are left alone); a commit that
+    fails (no identity, a lock) is reported through ``log`` and the run goes on."""
+
+    def __init__(self, folder: str | Path, every_s: float, log: Any = print):
+        self.folder = Path(folder).resolve()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.every_s, self.log = every_s, log
+        found = self._git("rev-parse", "--show-toplevel", check=False)
+        if found.returncode != 0:
+            raise HsdjaxError(f"{self.folder} is not inside a git work tree, so its answers cannot be committed "
+                              "(leave out --commit-answers, or point data.answers into a repository)")
+        self.last = time.monotonic()
+
+    def _git(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(self.folder), *args], capture_output=True, text=True, check=check)
+
+    def maybe(self, store: AnswerStore, *, force: bool = False) -> bool:
+        """Commit now if it is time (or ``force``); True when a commit was made."""
+        if not force and time.monotonic() - self.last < self.every_s:
+            return False
+        self.last = time.monotonic()
+        msg = (f"Drafter data: {store.manifest.get('target')} answers, {len(store.pieces)} pieces "
+               f"({store.manifest['tokens']} tokens, {store.manifest['answer_tokens']} generated)")
+        try:
+            self._git("add", "--", ".")
+            if self._git("diff", "--cached", "--quiet", "--", ".", check=False).returncode == 0:
+                return False  # nothing new
+            self._git("commit", "-q", "-m", msg, "--", ".")
+        except subprocess.CalledProcessError as e:
+            self.log(f"warning: could not commit {self.folder}: {(e.stderr or e.stdout or '').strip()[:300]}")
+            return False
+        return True

@@ -46,7 +46,7 @@ from hsdjax.jsonl import read_objects
 from hsdjax.kernels.cpu_matmul import panel_matmul
 from hsdjax.runtime import sharding
 from hsdjax.runtime.sharding import to_host
-from hsdjax.train.answers import AnswerStore, shard_documents
+from hsdjax.train.answers import AnswerStore, GitCommits, shard_documents
 
 MANIFEST_FORMAT = 2  # 2: shards list their prompts' stream indices (continuous batching)
 PERF_KEYS = ("dir", "answers", "token_budget", "batch", "refill_every", "chunk", "shard_tokens",
@@ -471,9 +471,10 @@ def next_turn(tok: Any, job: Job, raw: dict[str, Any], max_prompt: int) -> Job |
 class ShardSink:
     """Collects finished documents and writes a shard whenever ``shard_tokens`` are buffered."""
 
-    def __init__(self, writer: DataWriter, shard_tokens: int, bar: Any, answers: AnswerStore | None = None):
+    def __init__(self, writer: DataWriter, shard_tokens: int, bar: Any, answers: AnswerStore | None = None,
+                 commits: GitCommits | None = None):
         self.writer, self.shard_tokens, self.bar = writer, shard_tokens, bar
-        self.answers = answers  # each shard's answers also become a piece there
+        self.answers, self.commits = answers, commits  # each shard's answers also become a piece there
         self.docs: list[dict[str, np.ndarray]] = []
         self.prompts: list[int] = []
         self.sources = set(writer.manifest.get("sources", []))
@@ -509,23 +510,41 @@ class ShardSink:
         self.writer.add(arrays, self.prompts, now - self.t0)
         if self.answers is not None and jax.process_index() == 0:  # one writer of the repository's copy
             self.answers.add(self.docs, self.prompts)
+            if self.commits is not None:
+                self.commits.maybe(self.answers)
         self.t0, self.docs, self.prompts, self.buffered = now, [], [], 0
         self.bar.set_postfix(prompts=man["prompts_done"], answer_tok=man["answer_tokens"],
                              busy=f"{man['work']['occupancy']:.0%}")
 
 
-def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progress: bool = True) -> dict[str, Any]:
-    """Generate (or continue generating) the data described by ``data_cfg`` into ``folder``."""
-    from tqdm import tqdm
-
+def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progress: bool = True,
+                  commit_every_s: float | None = None, log: Any = print) -> dict[str, Any]:
+    """Generate (or continue generating) the data described by ``data_cfg`` into ``folder``.
+    ``commit_every_s``: commit the recorded answers (``data.answers``) to the git work tree holding them at
+    most that often while the run goes, and at its end, kill included (``GitCommits``)."""
     opts = data_settings(data_cfg)
     layer_idx = fused_layer_indices(model.cfg.num_layers)
     meta = {"target": model.name, "target_fingerprint": model.fingerprint, "layers": list(layer_idx),
             "config": data_cfg, "sources": []}
     writer = DataWriter(folder, meta)
-    man = writer.manifest
-    budget = opts["token_budget"]
     answers = open_answers(model, data_cfg)
+    if commit_every_s is not None and answers is None:
+        raise HsdjaxError("committing answers needs a folder for them: set data.answers in the config")
+    commits = (GitCommits(answers.folder, commit_every_s, log)
+               if commit_every_s is not None and jax.process_index() == 0 else None)
+    try:
+        return _generate(model, data_cfg, opts, writer, answers, commits, progress)
+    finally:
+        if commits is not None:
+            commits.maybe(answers, force=True)
+
+
+def _generate(model: Any, data_cfg: dict[str, Any], opts: dict[str, Any], writer: DataWriter,
+              answers: AnswerStore | None, commits: GitCommits | None, progress: bool) -> dict[str, Any]:
+    """``generate_data``'s work: answers re-recorded, then the prompts no shard holds generated."""
+    from tqdm import tqdm
+
+    man, budget = writer.manifest, opts["token_budget"]
     if answers is not None:
         if jax.process_index() == 0:
             export_shards(writer, answers)
@@ -542,7 +561,7 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
     tok = model.tokenizer
     bar = tqdm(total=budget, initial=min(man["tokens"], budget), unit="tok", desc="drafter data",
                disable=not progress, smoothing=0.1)
-    sink = ShardSink(writer, opts["shard_tokens"], bar, answers)
+    sink = ShardSink(writer, opts["shard_tokens"], bar, answers, commits)
     for start in range(0, len(todo), opts["chunk"]):
         if sink.tokens >= budget:
             break

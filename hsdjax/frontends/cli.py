@@ -214,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train on the data folder's first shards only, whole shards up to N tokens (e.g. the "
                          "data_tokens an earlier run recorded, to compare with it while the folder grows: the "
                          "held-out tail is then that run's too)")
+    tr.add_argument("--commit-answers", type=_float_in(0.0, 1440.0), default=None, metavar="MINUTES",
+                    help="commit the recorded answers (the config's data.answers folder, inside a git work tree) "
+                         "at most every MINUTES while the data stage runs, and when it ends or is stopped, so "
+                         "another machine can continue the run (0: after every piece)")
     add_mesh_args(tr)
 
     k = sub.add_parser("cpu-matmul", help="build or check hsdjax's optional CPU matmul kernel (needs a C++ compiler)")
@@ -365,7 +369,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     summary = run(args.config, stage=args.stage, out=args.out, token_budget=args.token_budget,
                   max_steps=args.max_steps, epochs=args.epochs, log=_log, mesh=mesh_from_args(args),
                   init=args.init, new_data_only=args.new_data_only, first_prompt=args.first_prompt,
-                  data_tokens=args.data_tokens)
+                  data_tokens=args.data_tokens, commit_answers_min=args.commit_answers)
     print(json.dumps(summary.get("checkpoint", summary["data"])))
     return 0
 
