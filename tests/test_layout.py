@@ -1,5 +1,6 @@
-"""Repository layout: the top-level ``kernels/`` folder must not hijack the ``kernels`` module name, and
-hsdjax's modules import each other without a cycle."""
+"""Repository layout: the top-level ``kernels/`` folder must not hijack the ``kernels`` module name,
+hsdjax's modules import each other without a cycle, and every import goes down the layers the folders
+draw (shared utilities, kernels, model runtime, decoding core, then training and the front ends)."""
 
 from __future__ import annotations
 
