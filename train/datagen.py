@@ -579,15 +579,15 @@ def _generate(model: Any, data_cfg: dict[str, Any], opts: dict[str, Any], writer
 
 def open_answers(model: Any, data_cfg: dict[str, Any]) -> AnswerStore | None:
     """The folder of recorded answers ``data.answers`` names (None when it names none), bound to this
-    target, its tokenizer and these data settings (see ``hsdjax.train.answers``)."""
-    opts = data_settings(data_cfg)
-    if opts["answers"] is None:
+    target, its tokenizer and these data settings (see ``hsdjax.train.answers``); ``data_cfg`` as
+    ``data_settings`` checked it."""
+    if data_cfg.get("answers") is None:
         return None
     settings = {k: v for k, v in data_cfg.items() if k not in PERF_KEYS}
     meta = {"target": model.name, "target_fingerprint": model.fingerprint,
             "tokenizer": getattr(model.tokenizer, "fingerprint", None),
             "data_key": data_key(model.fingerprint, data_cfg), "settings": settings}
-    return AnswerStore(opts["answers"], meta)
+    return AnswerStore(data_cfg["answers"], meta)
 
 
 def export_shards(writer: DataWriter, answers: AnswerStore) -> int:
