@@ -653,7 +653,8 @@ def teacher_forced(gen: Generator, docs: list[np.ndarray], batch: int
     compile_s = 0.0
     for start in range(0, len(order), batch):
         group = order[start: start + batch]
-        state, _, c = gen.prefill_rows([docs[i].tolist() for i in group], max_new_tokens=1, batch=batch)
+        rows = min(batch, 1 << (len(group) - 1).bit_length())  # a short last group is not padded to `batch` rows
+        state, _, c = gen.prefill_rows([docs[i].tolist() for i in group], max_new_tokens=1, batch=rows)
         compile_s += c
         rec = {k: to_host(v) for k, v in state.draft.items()}  # whole (a slice per length would compile)
         for r, i in enumerate(group):
