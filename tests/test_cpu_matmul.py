@@ -64,6 +64,27 @@ def test_each_row_is_bitwise_the_same_in_any_batch(kernel):
     assert np.array_equal(np.asarray(cpu_matmul.panel_matmul(x[3:11], wp)), whole[3:11])
 
 
+def test_a_long_prompt_chunk_runs_in_row_blocks_with_the_same_outputs(kernel, monkeypatch):
+    """A chunk longer than ``rows_per_call`` rows goes through the kernel in row blocks (its activations
+    kept in L2): bitwise the outputs of one call, for float32 and 4-bit panels and a ragged last block."""
+    assert cpu_matmul.rows_per_call(576) == 256 and cpu_matmul.rows_per_call(1536) == 128
+    assert cpu_matmul.rows_per_call(8960) == 32 and cpu_matmul.rows_per_call(64) == 256
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 37, 64), np.float32))
+    wf = jnp.asarray(rng.standard_normal((4, 64, 32), np.float32))
+    w4 = cpu_matmul.compress_weight(jnp.asarray(block_quantized(rng, 64, 128, 4)))
+    whole = [np.asarray(cpu_matmul.panel_matmul(x, w)) for w in (wf, w4)]
+    calls = []
+    real_call = jax.ffi.ffi_call
+    monkeypatch.setattr(jax.ffi, "ffi_call", lambda name, out, **kw: calls.append(out.shape) or real_call(name, out, **kw))
+    monkeypatch.setattr(cpu_matmul, "ROW_BLOCK_BYTES", 32 * 64 * 4)  # 32-row blocks at k = 64
+    for w, want in zip((wf, w4), whole):
+        calls.clear()
+        got = np.asarray(jax.jit(cpu_matmul.panel_matmul)(x, w))
+        assert [c[0] for c in calls] == [32, 32, 32, 15], calls  # 111 rows
+        assert np.array_equal(got, want)
+
+
 def block_quantized(rng, k: int, n: int, bits: int) -> np.ndarray:
     """A [k, n] float32 weight as a Q4_1 (bits 4) or Q8_0 (bits 8) GGUF dequantizes to: per block of 32
     k and column, float16 scale d (and offset m), codes q; w = d * q (+ m) in float32."""

@@ -3,6 +3,7 @@ plus lowering/export of the kernel for GPU (Triton) and TPU (Mosaic) from a CPU-
 
 from __future__ import annotations
 
+import importlib
 from functools import partial
 
 import jax
@@ -113,6 +114,25 @@ def test_blocked_reference_over_random_lengths_and_buckets(seed, s_log, block_lo
     whole = tree_attention_reference(*args, block_s=s)
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(blocked), naive_numpy(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lens", [[0, 0], [0, 40]])
+def test_a_long_pass_attends_in_query_blocks(lens, monkeypatch):
+    """A pass longer than ``QUERY_BLOCK`` (a prompt piece) attends in blocks of queries, each to the new
+    tokens up to its own: the same attention as one block, for causal prompts with padding and for
+    trees listed ancestors first, with and without a filled cache."""
+    ta = importlib.import_module("hsdjax.kernels.tree_attention")  # the module (the package exports the function)
+
+    rng = np.random.default_rng(11)
+    causal = [list(range(-1, 69)), list(range(-1, 51)) + [-1] * 18]  # the second: 52 tokens, then padding
+    for parents in (causal, [random_parents(rng, 70) for _ in range(2)]):
+        args = make_inputs(4, b=2, t=70, k=2, g=2, s=64, d=8, lens=lens, parents=parents)
+        whole = np.asarray(tree_attention_reference(*args))
+        monkeypatch.setattr(ta, "QUERY_BLOCK", 16)
+        blocked = np.asarray(tree_attention_reference(*args))
+        monkeypatch.setattr(ta, "QUERY_BLOCK", 128)
+        np.testing.assert_allclose(blocked, whole, atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(blocked, naive_numpy(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_blocked_reference_skips_blocks_past_the_longest_row():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ from jaxtyping import Array, Int
 
 from hsdjax.core import engine
 from hsdjax.core.batch import RowPool
-from hsdjax.core.drafters.base import ARDrafter
+from hsdjax.core.drafters.base import ARDrafter, TargetStates
 from hsdjax.core.drafters.checkpoint import frozen_from_target
 from hsdjax.core.sampling import top_k_blocked
 from hsdjax.errors import HsdjaxError
@@ -45,6 +46,7 @@ from hsdjax.frontends.api import Generator
 from hsdjax.jsonl import read_objects
 from hsdjax.kernels.cpu_matmul import panel_matmul
 from hsdjax.runtime import sharding
+from hsdjax.runtime.model import Transformer, causal_mask
 from hsdjax.runtime.sharding import to_host
 from hsdjax.train.answers import AnswerStore, GitCommits, shard_documents
 
@@ -157,7 +159,7 @@ def data_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, default in (("token_budget", 1_000_000), ("batch", 64), ("refill_every", 16), ("chunk", 4096),
                          ("shard_tokens", 16384), ("max_prompt_tokens", 384), ("max_new_tokens", 256),
-                         ("top_k_logits", 8), ("max_turns", 2), ("rerecord_batch", 8)):
+                         ("top_k_logits", 8), ("max_turns", 2), ("rerecord_batch", 4)):
         v = data_cfg.get(key, default)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise HsdjaxError(f"data.{key} must be a positive integer (got {v!r})")
@@ -617,7 +619,7 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
     if not todo or writer.manifest["tokens"] >= budget:
         return 0
     total = min(sum(p["tokens"] for p in todo), budget - writer.manifest["tokens"])
-    gen = recording_generator(model, opts["top_k_logits"])
+    drafter, dparams = recording_drafter(model, opts["top_k_logits"])
     bar = tqdm(total=total, unit="tok", desc="re-recording answers", disable=not progress, smoothing=0.1)
     recorded = 0
     for piece in todo:
@@ -625,7 +627,8 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
             break
         docs = [d for d in answers.read(piece) if d["prompt"] not in done]
         t0 = time.perf_counter()
-        records, compile_s = teacher_forced(gen, [d["tokens"] for d in docs], opts["rerecord_batch"])
+        records, compile_s = teacher_forced(model, drafter, dparams, [d["tokens"] for d in docs],
+                                            opts["rerecord_batch"])
         for d, rec in zip(docs, records):
             rec["tokens"], rec["answer"] = d["tokens"], d["answer"]
         arrays = {k: np.concatenate([r[k] for r in records]) for k in records[0]}
@@ -642,21 +645,47 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
     return recorded
 
 
-def teacher_forced(gen: Generator, docs: list[np.ndarray], batch: int
-                   ) -> tuple[list[dict[str, np.ndarray]], float]:
+RERECORD_ALIGN = 64  # a teacher-forced group's documents are padded to a multiple of this (one program each)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter"))
+def record_forward(params: dict[str, Any], dparams: dict[str, Array], tokens: Int[Array, "B T"],
+                   lengths: Int[Array, " B"], *, cfg: Any, drafter: RecordingDrafter) -> dict[str, Array]:
+    """What ``drafter`` records at every position of whole documents (right-padded to T), from one
+    causal forward over them: no cache, no decoding state, no sampled token."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    fwd = Transformer(cfg).apply({"params": params}, tokens, positions, causal_mask(lengths, t), None,
+                                 keep_layers=drafter.layers)
+    states = bfloat16_bits(TargetStates(hidden=fwd["hidden"], layers=fwd["layers"]).per_position())
+    chunks = fwd["hidden"].reshape(b * t // RERECORD_ALIGN, RERECORD_ALIGN, -1)  # small logits blocks stay in cache
+    vals, ids = jax.lax.map(lambda h: drafter._top(dparams, h), chunks)
+    return {"states": states, "top_logits": vals.reshape(b, t, -1), "top_ids": ids.reshape(b, t, -1)}
+
+
+def teacher_forced(model: Any, drafter: RecordingDrafter, dparams: dict[str, Array], docs: list[np.ndarray],
+                   batch: int) -> tuple[list[dict[str, np.ndarray]], float]:
     """What the recorder records for each document (``states``, ``top_logits``, ``top_ids`` at each of
-    its positions), from one prefill over its tokens (``gen``: a ``recording_generator``) instead of
-    generating them: documents sorted by length, ``batch`` rows per prefill. Also returns the seconds
-    spent compiling (once per prompt bucket and cache size)."""
+    its positions), from one forward over its tokens (``record_forward``) instead of generating them:
+    documents sorted by length, ``batch`` rows per pass (fewer, a power of two, for a short last group),
+    each group padded to a multiple of ``RERECORD_ALIGN`` positions (a power-of-two prompt bucket padded
+    the answers' lengths by 1.9x). Also returns the seconds spent compiling (once per padded shape)."""
     order = sorted(range(len(docs)), key=lambda i: (len(docs[i]), i))
     out: list[dict[str, np.ndarray]] = [{} for _ in docs]
-    compile_s = 0.0
+    compile_s, programs = 0.0, {}
     for start in range(0, len(order), batch):
         group = order[start: start + batch]
-        rows = min(batch, 1 << (len(group) - 1).bit_length())  # a short last group is not padded to `batch` rows
-        state, _, c = gen.prefill_rows([docs[i].tolist() for i in group], max_new_tokens=1, batch=rows)
-        compile_s += c
-        rec = {k: to_host(v) for k, v in state.draft.items()}  # whole (a slice per length would compile)
+        rows = min(batch, 1 << (len(group) - 1).bit_length())
+        t = -(-max(len(docs[i]) for i in group) // RERECORD_ALIGN) * RERECORD_ALIGN
+        tokens, lengths = np.zeros((rows, t), np.int32), np.ones(rows, np.int32)
+        for r, i in enumerate(group):
+            tokens[r, :len(docs[i])], lengths[r] = docs[i], len(docs[i])
+        args = (model.params, dparams, jnp.asarray(tokens), jnp.asarray(lengths))
+        if (rows, t) not in programs:  # compiled apart, so the seconds say what compiling cost
+            t0 = time.perf_counter()
+            programs[rows, t] = record_forward.lower(*args, cfg=model.cfg, drafter=drafter).compile()
+            compile_s += time.perf_counter() - t0
+        rec = {k: to_host(v) for k, v in programs[rows, t](*args).items()}
         for r, i in enumerate(group):
             n = len(docs[i])
             out[i] = {"states": rec["states"][r, :n].view(np.uint16), "top_logits": rec["top_logits"][r, :n],
