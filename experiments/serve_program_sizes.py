@@ -48,12 +48,11 @@ def main() -> None:
     rows = []
     keep = sched.drafter.prompt_layers
     largest = min(max(WHOLE_PIECE, sched.prefill_chunk or 0), sched.cache_size)
-    for size, fresh in engine.piece_programs(sched.context_limit, largest):
+    for size in engine.piece_programs(sched.context_limit, largest):  # one program per size since 2026-12-07
         fill = sched._empty_fill()
         piece, n = jnp.zeros((1, size), jnp.int32), jnp.asarray([size], jnp.int32)
-        c = engine.prefill_piece.lower(sched.params, fill, piece, n, cfg=sched.cfg, keep_layers=keep,
-                                       fresh=fresh).compile()
-        rows.append({"program": f"fill_piece {size}{' fresh' if fresh else ''}", **sizes(c)})
+        c = engine.prefill_piece.lower(sched.params, fill, piece, n, cfg=sched.cfg, keep_layers=keep).compile()
+        rows.append({"program": f"fill_piece {size}", **sizes(c)})
         print(rows[-1], flush=True)
     bos = sched.tokenizer.encode("Hi", add_special_tokens=True) or [0]
     r = GenRequest(id="x", prompt_ids=bos * 9, max_new=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, stops=[],

@@ -553,7 +553,7 @@ def screened_argmax(x: Float[Array, "... K"], wq: Any, colabs: Any) -> Int[Array
 # ------------------------------------------------------------------------------- a default by measurement
 
 MEASURED_ROWS = (1, 8, 64)  # rows of x: a decoding step, a tree pass, a prefill chunk
-MEASURE_VERSION = 6  # of how ``measure_against_xla`` times (part of the cached verdict's key)
+MEASURE_VERSION = 7  # of how ``measure_against_xla`` times (part of the cached verdict's key)
 
 
 def _median_pair(kernel, xla, args_k, args_x, reps: int) -> tuple[float, float]:

@@ -312,14 +312,16 @@ def piece_sizes(start: int, end: int, limit: int) -> list[int]:
     return sizes
 
 
-def piece_programs(longest: int, largest: int) -> list[tuple[int, bool]]:
-    """The (piece size, fresh) pairs ``piece_sizes`` can produce for prompts of at most ``longest``
-    tokens, pieces of at most ``largest``: what a server compiles ahead. A first (fresh) piece of size S
-    needs S prompt tokens, a later one 2S (it starts at a multiple of S past the first); 32 serves
-    every shorter remainder."""
+def piece_programs(longest: int, largest: int) -> list[int]:
+    """The piece sizes ``piece_sizes`` can produce for prompts of at most ``longest`` tokens, pieces of at
+    most ``largest``: what a server compiles ahead, one program per size (run as a later piece, also for a
+    prompt's first: over an empty cache the cache part of its attention does no work, and one program
+    instead of a fresh and a later one holds ~100-200 MB less). A piece of size S needs S prompt tokens;
+    32 serves every shorter remainder."""
     out, size = [], 32
     while size <= largest:
-        out += [(size, fresh) for fresh in (True, False) if size == 32 or size * (1 if fresh else 2) <= longest]
+        if size == 32 or size <= longest:
+            out.append(size)
         size *= 2
     return out
 

@@ -64,6 +64,20 @@ def release_free_heap() -> None:
         pass
 
 
+def release_trace_caches() -> None:
+    """Drop what JAX keeps to trace and lower a jitted function again (its jaxprs and lowered modules,
+    ~130 MB a program for the unrolled 30-layer passes), keeping the compiled programs: a call whose
+    shapes were seen runs from JAX's C++ dispatch cache and never reads these. A later new shape is
+    traced again, as the first time. JAX internals: where a version lacks them, nothing is dropped."""
+    from jax._src import pjit
+    from jax._src.interpreters import pxla
+
+    for module in (pjit, pxla):
+        for name, cache in vars(module).items():
+            if type(cache).__name__ == "WeakrefLRUCache":
+                cache.cache_clear()
+
+
 class QueueFull(Exception):
     """Every row is busy and the waiting queue is full."""
 
@@ -257,6 +271,7 @@ class Scheduler:
             log.error("warm-up failed:\n%s", self.failure)
             return
         finally:
+            release_trace_caches()
             release_free_heap()
             self.ready.set()
         while True:
@@ -296,8 +311,8 @@ class Scheduler:
                 new = self._prefill_now(r)
         assert new is not None
         largest = min(max(WHOLE_PIECE, self.prefill_chunk or 0), self.cache_size)
-        for size, fresh in engine.piece_programs(self.context_limit, largest):  # as a first or a later piece
-            self._run_piece(self._empty_fill(), [0] * size, 0, size, fresh=fresh)
+        for size in engine.piece_programs(self.context_limit, largest):
+            self._run_piece(self._empty_fill(), [0] * size, 0, size)
         if self.prefix is not None:  # its copies, for every padded number of blocks (small programs)
             blocks, fill = 1, self._empty_fill()
             while blocks * BLOCK <= self.cache_size:
@@ -322,14 +337,14 @@ class Scheduler:
         on the prompt's bucket)."""
         return engine.start_fill(self.cfg, 1, self.cache_size, self.cache_size, self.drafter.prompt_layers)
 
-    def _run_piece(self, fill: engine.PromptFill, prompt_ids: list[int], start: int, size: int,
-                   fresh: bool) -> engine.PromptFill:
-        """Prompt positions ``start`` .. ``start + size`` (fewer at the prompt's end) into ``fill``."""
+    def _run_piece(self, fill: engine.PromptFill, prompt_ids: list[int], start: int, size: int) -> engine.PromptFill:
+        """Prompt positions ``start`` .. ``start + size`` (fewer at the prompt's end) into ``fill``: one
+        program per size, a prompt's first piece included (``engine.piece_programs``)."""
         n = min(size, len(prompt_ids) - start)
         piece = np.zeros((1, size), np.int32)
         piece[0, :n] = prompt_ids[start: start + n]
         return engine.prefill_piece(self.params, fill, jnp.asarray(piece), jnp.asarray([n], jnp.int32),
-                                    cfg=self.cfg, keep_layers=self.drafter.prompt_layers, fresh=fresh)
+                                    cfg=self.cfg, keep_layers=self.drafter.prompt_layers)
 
     def _start_filling(self, r: GenRequest) -> Filling:
         """A request's prompt fill, starting from the longest prefix the prefix cache holds."""
@@ -343,7 +358,7 @@ class Scheduler:
     def _fill_step(self, f: Filling, limit: int) -> int:
         """Run the next piece of ``f``'s prompt (at most ``limit`` tokens, padded); returns its size."""
         size = engine.piece_sizes(f.filled, len(f.req.prompt_ids), limit)[0]
-        f.fill = self._run_piece(f.fill, f.req.prompt_ids, f.filled, size, fresh=f.filled == 0)
+        f.fill = self._run_piece(f.fill, f.req.prompt_ids, f.filled, size)
         f.filled = min(f.filled + size, len(f.req.prompt_ids))
         return size
 
