@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from hsdjax.frontends import serve
     from hsdjax.frontends.api import enable_compilation_cache, load_model
     from hsdjax.frontends.serving.metrics import Metrics
-    from hsdjax.frontends.serving.scheduler import Scheduler, release_trace_caches
+    from hsdjax.frontends.serving.scheduler import Scheduler
 
     enable_compilation_cache()
     stage("import")
@@ -118,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     jax_log.removeHandler(compiles)
     gc.collect()
     stage("warmed up", warmup_s=round(warm_s, 1))
-    release_trace_caches()  # what the server does at ready
-    stage("trace caches released")
     programs = compiles.grouped()
     print(f"\ncompiled programs ({sum(p['count'] for p in programs)}), RSS growth while each finished:")
     print(f"{'program':<34} {'count':>5} {'MB':>8} {'largest':>8}")

@@ -64,20 +64,6 @@ def release_free_heap() -> None:
         pass
 
 
-def release_trace_caches() -> None:
-    """Drop what JAX keeps to trace and lower a jitted function again (its jaxprs and lowered modules,
-    ~130 MB a program for the unrolled 30-layer passes), keeping the compiled programs: a call whose
-    shapes were seen runs from JAX's C++ dispatch cache and never reads these. A later new shape is
-    traced again, as the first time. JAX internals: where a version lacks them, nothing is dropped."""
-    from jax._src import pjit
-    from jax._src.interpreters import pxla
-
-    for module in (pjit, pxla):
-        for name, cache in vars(module).items():
-            if type(cache).__name__ == "WeakrefLRUCache":
-                cache.cache_clear()
-
-
 class QueueFull(Exception):
     """Every row is busy and the waiting queue is full."""
 
@@ -271,7 +257,6 @@ class Scheduler:
             log.error("warm-up failed:\n%s", self.failure)
             return
         finally:
-            release_trace_caches()
             release_free_heap()
             self.ready.set()
         while True:
