@@ -16,6 +16,7 @@ from hsdjax.core.drafters.checkpoint import bind
 from hsdjax.core.drafters.eagle import EagleDrafter
 from hsdjax.core.drafters.feature import OUTPUT_SIDE, FeatureConfig, FeatureDrafterNet, init_net
 from hsdjax.core.drafters.hsd import HSDDrafter
+from hsdjax.errors import HsdjaxError
 from hsdjax.runtime.model import init_params
 from hsdjax.train.datagen import fused_layer_indices
 from tests.conftest import TINY_LLAMA, TINY_QWEN, run_engine
@@ -143,6 +144,32 @@ def test_hsd_chain_ahead_is_lossless_and_keeps_states_for_later_rounds(target):
         reused[ahead] = int(s.reused_states.sum())
         assert np.all(s.drafter_states <= s.target_passes * (1 + ahead + 1))  # ingest + at most the chain's steps
     assert reused[0] == 0 and reused[2] > 0, reused
+
+
+def test_hsd_shortlist_is_lossless_and_scores_fewer_rows(target):
+    """``shortlist``: below depth 1 a node's children are scored among its chain state's S likeliest
+    tokens only. Greedy output stays `ar`'s; from one state, the whole draft vocabulary as the shortlist
+    drafts the full head's tree and a short list another one, at fewer multiply-adds. ``attn`` injection is refused."""
+    cfg, params = target
+    prompts = prompts_of(9, cfg.vocab_size, 3)
+    want = run_engine(cfg, params, prompts, 30)
+    trees, macs, state = {}, {}, None
+    for s in (0, 4, 40):  # 40: the tiny drafter's whole vocabulary
+        drafter, dparams = feature_drafter(cfg, params, "hsd", depth=4, width=3, budget=5, shortlist=s)
+        dparams = dict(dparams, head_rows=dparams["head"])  # the head's rows (unpacked off the CPU kernel)
+        _, st = run_engine(cfg, params, prompts, 30, drafter=drafter, dparams=dparams, return_state=True, chunks=[5])
+        state = state or st  # every drafter proposes from the first run's state
+        tree, _, cost = drafter.propose(dparams, state.draft, state.gen)
+        trees[s], macs[s] = jax.tree_util.tree_map(np.asarray, tree), float(np.sum(cost.macs))
+    assert np.array_equal(trees[40].tokens, trees[0].tokens) and np.array_equal(trees[40].parents, trees[0].parents)
+    assert not np.array_equal(trees[4].tokens, trees[0].tokens)
+    assert macs[4] < macs[0], macs
+    for s in (0, 4):  # and the runs to the end are lossless
+        drafter, dparams = feature_drafter(cfg, params, "hsd", depth=4, width=3, budget=5, shortlist=s)
+        got = run_engine(cfg, params, prompts, 30, drafter=drafter, dparams=dict(dparams, head_rows=dparams["head"]))
+        assert got == want, s
+    with pytest.raises(HsdjaxError, match="shortlist"):
+        feature_drafter(cfg, params, "hsd", injection="attn", shortlist=4)
 
 
 @pytest.mark.parametrize("tree", TREES, ids=["1x1", "5x3"])

@@ -331,9 +331,13 @@ class FeatureDrafterNet(nn.Module):
         """A drafter state in the target's width (``lift``; the state itself when W = E)."""
         return matmul(state, self.lift) if self.cfg.narrow else state
 
+    def head_input(self, state: Float[Array, "... W"], chain: bool = False) -> Float[Array, "... E"]:
+        """What the head reads of a state: lifted to the target's width and normed (``chain``: see ``inject``)."""
+        return rms_norm(self.to_target(state), self._side(chain)["out_norm"], self.cfg.eps)
+
     def logits(self, state: Float[Array, "... W"], head: Any, chain: bool = False) -> Float[Array, "... V"]:
         """Draft-vocabulary logits through the target's frozen head rows (``chain``: see ``inject``)."""
-        y = rms_norm(self.to_target(state), self._side(chain)["out_norm"], self.cfg.eps)
+        y = self.head_input(state, chain)
         if in_panels(self.backend, self.cfg.vocab):  # the panels of head.T (``pack_for_cpu``)
             return panel_matmul(y, head)
         return jnp.einsum("...e,ve->...v", y, head, preferred_element_type=jnp.float32)

@@ -41,6 +41,7 @@ from hsdjax.core.drafters.feature import (
     ingest_path,
     init_context,
 )
+from hsdjax.errors import HsdjaxError
 
 POLICIES = ("reuse", "refresh", "min1", "min2", "min3")
 
@@ -60,6 +61,16 @@ class HSDDrafter(FeatureDrafter):
     name: str = "hsd"
     policy: str = "min2"
     ahead: int = 0  # chain states drafted beyond the tree's depth, for the rounds after a partial acceptance
+    # > 0: a chain state's children are scored among the ``shortlist`` likeliest tokens of the state's own
+    # token-free logits (one head per depth, shared by its nodes; needs ``dparams["head_rows"]``, the
+    # draft head [V, E] unpacked): per node only ``g`` and S head rows, not the whole draft vocabulary
+    shortlist: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.shortlist and (self.cfg.injection == "attn" or not 0 < self.shortlist <= self.cfg.vocab):
+            raise HsdjaxError(f"an hsd shortlist needs mlp or film injection and 1..{self.cfg.vocab} candidates "
+                              f"(got {self.shortlist}, {self.cfg.injection} injection)")
 
     # ------------------------------------------------------------------ state
     def init_state(self, dparams, gen, prompt_states):
@@ -135,6 +146,21 @@ class HSDDrafter(FeatureDrafter):
             return jax.nn.log_softmax(net.apply({"params": p}, g, head, chain, method=FeatureDrafterNet.logits),
                                       axis=-1)
 
+        def shortlist_logp(state_vec, tokens, parent_tokens, d):  # inject_logp over a shortlist, -inf elsewhere
+            chain = d > 0
+            cand = jax.lax.top_k(net.apply({"params": p}, state_vec, head, chain, method=FeatureDrafterNet.logits),
+                                 self.shortlist)[1]  # [B, S] draft-vocabulary indices
+            toks = jnp.stack([tokens, parent_tokens], axis=-1)[..., : self.cfg.inject_tokens]
+            embs = net.apply({"params": p}, embed, toks, chain, method=FeatureDrafterNet.embed)
+            s = jnp.broadcast_to(state_vec[:, None, :], (*tokens.shape, state_vec.shape[-1]))
+            g = net.apply({"params": p}, s, embs, None, chain, method=FeatureDrafterNet.inject)
+            y = net.apply({"params": p}, g, chain, method=FeatureDrafterNet.head_input)  # [B, K, E]
+            rows = jnp.take(dparams["head_rows"], cand, axis=0)  # [B, S, E]
+            scores = jax.nn.log_softmax(jnp.einsum("bke,bse->bks", y, rows, preferred_element_type=jnp.float32), axis=-1)
+            b, k = tokens.shape
+            full = jnp.full((b, k, self.cfg.vocab), -jnp.inf, jnp.float32)
+            return full.at[jnp.arange(b)[:, None, None], jnp.arange(k)[None, :, None], cand[:, None, :]].set(scores)
+
         first = inject_logp(state.chain[:, 0], root[:, None], prev[:, None], 0)[:, 0]
         grow = active
         if self.grow_prob > 0:  # deeper chain states only for rows sure enough of a first draft to go on
@@ -143,7 +169,8 @@ class HSDDrafter(FeatureDrafter):
 
         def children(d, tokens, slots, parent_idx, prev_tokens):
             parent_tokens = jnp.take_along_axis(prev_tokens, parent_idx, axis=1)
-            logp = inject_logp(st.chain[:, d], tokens, parent_tokens, d)
+            score = shortlist_logp if self.shortlist else inject_logp
+            logp = score(st.chain[:, d], tokens, parent_tokens, d)
             return jnp.where((st.n_chain > d)[:, None, None], logp, -jnp.inf), tokens  # rows not extended
 
         tree, cum, _ = grow_tree(root, first, children, root[:, None], dparams["vocab_ids"], self.depth,
@@ -156,9 +183,13 @@ class HSDDrafter(FeatureDrafter):
         tree = tree.replace(reused=tree.valid & (tree.depth > 0) & from_kept)
         tree = self.graft_lookup(tree, gen)
         # g + head for the root and each depth's frontier that was drafted
-        heads = 1 + frontiers_expanded(cum, self.depth, self.width, self.grow_prob) * self.width
+        frontiers = frontiers_expanded(cum, self.depth, self.width, self.grow_prob)
+        heads = 1 + frontiers * self.width
+        node_head = self._head_macs()
+        if self.shortlist:  # the root's full head, one per expanded depth, then S rows a node
+            node_head = (1 + frontiers) * self._head_macs() / heads + self.shortlist * self.cfg.hidden
         macs = (steps * self._layer_macs(gen.seq_len.astype(jnp.float32) + self.depth + self.ahead)
-                + heads * (self._inject_macs(gen.seq_len.astype(jnp.float32)) + self._head_macs()))
+                + heads * (self._inject_macs(gen.seq_len.astype(jnp.float32)) + node_head))
         # +1 pass: the ingest after verification
         cost = DraftCost(passes=steps + 1, states=steps + 1, reused=reused, macs=macs.astype(jnp.float32))
         return tree, st.replace(fresh=jnp.zeros_like(st.fresh)), cost
