@@ -6,7 +6,7 @@ rows (``HSDDrafter.shortlist``), instead of all 4,096. The shipped SmolLM2 draft
 
 Runs the dev-set prompts (the first ``--limit`` questions of each set and turn) with every shortlist,
 greedy, and prints per shortlist (and for the shipped `eagle` on the same tree): tokens per round, the drafter's multiply-adds per accepted draft and
-whether every output equals `ar`'s. Counts, not times: they do not depend on the machine's load.
+whether every output equals `ar`'s (the same as `--shortlist S` on the command line). Counts, not times: they do not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -15,11 +15,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-import jax.numpy as jnp
-import numpy as np
-
 import hsdjax
-from hsdjax.core.drafters.checkpoint import draft_head, frozen_from_target, read_drafter, shipped_path
 from hsdjax.core.methods import make_drafter
 from hsdjax.frontends.api import Generator
 from hsdjax.frontends.bench.questions import dev_set_prompts
@@ -38,10 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     model = hsdjax.load_model(args.model)
     depth, width, budget = (int(x) for x in args.tree.split("/"))
-    drafter, dparams = make_drafter("hsd", model, depth=depth, width=width, budget=budget)
-    _, _, vocab_ids, net, _ = read_drafter(shipped_path(model.name, "hsd"))
-    rows = draft_head(jnp.take(frozen_from_target(model)["head_full"], jnp.asarray(vocab_ids), axis=0), net)
-    dparams = dict(dparams, head_rows=jnp.asarray(rows, jnp.float32))
+    drafter, dparams = make_drafter("hsd", model, depth=depth, width=width, budget=budget, shortlist=1)
     ar = Generator(model, "ar")
     prompts = dev_set_prompts(ar, args.questions, args.limit, args.max_new)
     ref = {}

@@ -43,6 +43,7 @@ PATHS = {"xla": "smollm_xla", "cpu-kernel": "smollm_kernel"}
 MATMUL_SETTING = {"xla": "off", "cpu-kernel": "on"}  # the draft model's path, loaded as the target's
 OPTIONS = {"pld": {}, "hsd": {}, "eagle": {},  # their tuned trees (drafters/checkpoints/tuned.json)
            "hsd-default": {k: REGISTRY["hsd"].defaults[k] for k in TREE_SIZES}}
+OPTIONS["hsd-shortlist"] = dict(OPTIONS["hsd-default"], shortlist=64)  # the deep tree, nodes scored over a shortlist
 
 
 def write_draft(src: Path, dst: Path, layers: tuple[int, ...] = DRAFT_LAYERS) -> Path:
@@ -131,7 +132,7 @@ def own_accepted(results) -> int:
 
 
 # the first parametrization varies fastest: every method on XLA's path, then every one on the kernels'
-@pytest.mark.parametrize("method", ["ar", "pld", "sps", "hsd", "hsd-default", "eagle"])
+@pytest.mark.parametrize("method", ["ar", "pld", "sps", "hsd", "hsd-default", "hsd-shortlist", "eagle"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_greedy_equals_ar_on_the_real_model(request, answers, draft, path, method):
     model = request.getfixturevalue(PATHS[path])

@@ -65,6 +65,9 @@ OPTIONS = (  # in the order of the command line's --help
     Option("policy", "text", f"hsd: chain refresh policy: {', '.join(POLICIES)}", choices=POLICIES),
     Option("ahead", "int", "hsd: chain states drafted beyond the tree's depth and kept for later rounds "
                            "(0-4, default 0)", 0, 4),
+    Option("shortlist", "int", "hsd: score a chain state's children only among the N likeliest tokens of its "
+                               "token-free logits (one head per depth; 0: the whole draft vocabulary, default)",
+           0, 1 << 20),
     Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)",
            0, 1),
     Option("grow_prob", "prob", "hsd/eagle: verify nodes beyond the most likely draft only when their cumulative "
@@ -123,7 +126,8 @@ REGISTRY = {m.name: m for m in (
     # measured on SmolLM2 / 2-core CPU (benchmarks/feature_drafters.py): min2 was the fastest policy; a grafted
     # lookup continuation of 6 tokens on 2-token matches took hsd from 1.10x to 1.62x ar on the dev sets
     # (1-token matches 1.53x, 3-token 1.62x, 4 tokens on 2-token matches 1.54x; experiments/notes/drafters-log.md)
-    Method("hsd", ("depth", "width", "budget", "policy", "ahead", "drafter", "min_prob", "grow_prob", "lookup",
+    Method("hsd", ("depth", "width", "budget", "policy", "ahead", "shortlist", "drafter", "min_prob", "grow_prob",
+                   "lookup",
                    "lookup_ngram", "lookup_lengths"),
            {"depth": 4, "width": 3, "budget": 5, "policy": "min2", "ahead": 0, "lookup": 6, "lookup_ngram": 2}),
     Method("eagle", ("depth", "width", "budget", "drafter", "min_prob", "grow_prob", "lookup", "lookup_ngram",
@@ -254,8 +258,9 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
     setting = tree_setting(method, model, given)
     if method in FEATURE_METHODS:
         return _feature(method, model, setting, given)
-    if "drafter" in given or "policy" in given or "ahead" in given:
-        raise HsdjaxError(f"--drafter applies to hsd and eagle, --policy and --ahead to hsd; not to {method}")
+    if "drafter" in given or "policy" in given or "ahead" in given or "shortlist" in given:
+        raise HsdjaxError(f"--drafter applies to hsd and eagle, --policy, --ahead and --shortlist to hsd; "
+                          f"not to {method}")
     if method == "ar":
         return ARDrafter(), ()
     if method == "pld":
@@ -304,7 +309,9 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
             raise HsdjaxError(f"no shipped {method} drafter for {model.name}; train one with "
                               f"`hsdjax train-drafter CONFIG` and pass --drafter PATH")
         path = str(shipped_path(model.name, method))
-    cfg, layers, dparams, _ = load_drafter(path, model, method)
+    if given.get("shortlist") and method != "hsd":
+        raise HsdjaxError("--shortlist applies to hsd only")
+    cfg, layers, dparams, _ = load_drafter(path, model, method, head_rows=bool(given.get("shortlist")))
     for name in ("min_prob", "grow_prob", "lookup", "lookup_ngram"):  # checked by ``check_options``
         if name in given:
             setting[name] = given[name]
@@ -322,6 +329,8 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
         if method != "hsd":
             raise HsdjaxError("--ahead applies to hsd only")
         setting["ahead"] = given["ahead"]
+    if given.get("shortlist"):
+        setting["shortlist"] = given["shortlist"]
     return feature_drafter(method, cfg, layers, backend=model.cfg.backend, **setting), dparams
 
 
@@ -334,4 +343,5 @@ def feature_drafter(method: str, cfg: Any, layers: tuple[int, ...], **setting: A
         return HSDDrafter(cfg=cfg, layers=layers, **setting)
     setting.pop("policy", None)
     setting.pop("ahead", None)
+    setting.pop("shortlist", None)
     return EagleDrafter(cfg=cfg, layers=layers, **setting)

@@ -84,16 +84,17 @@ def _check_target(path: Path, meta: dict[str, Any], target: Any) -> None:
                           "`hsdjax train-drafter`")
 
 
-def load_drafter(path: str | Path, target: Any, method: str) -> tuple[FeatureConfig, tuple[int, ...], dict[str, Any],
-                                                                       dict[str, Any]]:
-    """(config, fused layers, dparams, metadata) of a checkpoint, bound to ``target``."""
+def load_drafter(path: str | Path, target: Any, method: str, head_rows: bool = False
+                 ) -> tuple[FeatureConfig, tuple[int, ...], dict[str, Any], dict[str, Any]]:
+    """(config, fused layers, dparams, metadata) of a checkpoint, bound to ``target`` (``head_rows``: see
+    ``bind``)."""
     path = Path(path)
     if path.is_file():
         _check_target(path, read_meta(path), target)  # before reading the tensors
     cfg, layers, vocab_ids, net, meta = read_drafter(path)
     if cfg.method != method:
         raise HsdjaxError(f"{path.name} is a {cfg.method} drafter, not {method}")
-    return cfg, layers, bind(net, vocab_ids, target.params, target.cfg), meta
+    return cfg, layers, bind(net, vocab_ids, target.params, target.cfg, head_rows), meta
 
 
 def warm_start(path: str | Path, cfg: FeatureConfig, layers: tuple[int, ...], target: Any
@@ -159,15 +160,18 @@ def frozen_from_params(params: dict[str, Any], cfg: Any) -> dict[str, Any]:
     return {"embed": embed, "head_full": head, "final_norm": params["final_norm"]}
 
 
-def bind(net: Any, vocab_ids: np.ndarray, params: dict[str, Any], cfg: Any) -> dict[str, Any]:
+def bind(net: Any, vocab_ids: np.ndarray, params: dict[str, Any], cfg: Any, head_rows: bool = False
+         ) -> dict[str, Any]:
     """``dparams`` of a feature drafter: its weights plus the target's frozen embeddings and head (with
-    the checkpoint's trained head correction added, when it has one)."""
+    the checkpoint's trained head correction added, when it has one); ``head_rows``: also the head's
+    rows [V, E] as they are (not packed for the CPU kernel), which an ``hsd`` shortlist gathers from."""
     frozen = frozen_from_params(params, cfg)
     ids = jnp.asarray(vocab_ids, jnp.int32)
     net = jax.tree_util.tree_map(jnp.asarray, net)
     rows = jnp.take(frozen["head_full"], ids, axis=0)
     head = draft_head(rows, net).astype(rows.dtype)
+    kept = {"head_rows": head} if head_rows else {}
     net = {k: v for k, v in net.items() if k != HEAD_DELTA}
     if cfg.resolved_backend == "cpu-kernel":  # the target runs on the CPU kernels: so does the drafter
         net, head = pack_for_cpu(net, head, params.get("head_panels"), ids)
-    return {"net": net, "embed": frozen["embed"], "head": head, "vocab_ids": ids}
+    return {"net": net, "embed": frozen["embed"], "head": head, "vocab_ids": ids, **kept}
