@@ -14,6 +14,7 @@ from hsdjax.errors import HsdjaxError
 from hsdjax.frontends.api import LoadedModel
 from hsdjax.runtime.model import init_params
 from hsdjax.train import datagen
+from hsdjax.train.answers import AnswerStore
 from hsdjax.train.datagen import (
     fused_layer_indices,
     generate_data,
@@ -397,8 +398,6 @@ def test_answers_of_another_target_or_a_damaged_piece_are_refused(params, tmp_pa
 def test_answer_pieces_are_compact(tmp_path):
     """Token ids as 16 bits where the vocabulary fits, the mask as bits, compressed: about 2 bytes a token
     before compression; ids past 65535 keep 32 bits; reading returns exactly what was written."""
-    from hsdjax.train.answers import AnswerStore
-
     rng = np.random.RandomState(0)
     docs = [{"tokens": rng.randint(0, 49152, n).astype(np.int32), "answer": rng.rand(n) < 0.7} for n in (300, 5, 700)]
     store = AnswerStore(tmp_path / "a", {"target_fingerprint": "x", "tokenizer": None, "data_key": "k"})
@@ -446,3 +445,37 @@ def test_answers_are_committed_as_the_run_goes(params, tmp_path):
     with pytest.raises(HsdjaxError, match="set data.answers"):
         generate_data(model, {k: v for k, v in cfg.items() if k != "answers"}, tmp_path / "f", progress=False,
                       commit_every_s=60.0)
+
+
+def test_a_killed_run_commits_the_answers_it_wrote(params, tmp_path, monkeypatch):
+    """A SIGTERM (``kill``, a session ending; a job started with ``&`` ignores Ctrl-C) stops a run that
+    commits its answers like Ctrl-C: the pieces written so far are committed although the commit
+    interval has not passed, and the previous SIGTERM handler is back."""
+    import os
+    import signal
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True,  # noqa: E731
+                                    check=True).stdout
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(12, seed=11)),
+               answers=str(repo / "answers"))
+    real_add = AnswerStore.add
+
+    def add_then_kill(self, *args, **kwargs):
+        entry = real_add(self, *args, **kwargs)
+        if len(self.pieces) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return entry
+
+    monkeypatch.setattr(AnswerStore, "add", add_then_kill)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        generate_data(tiny_model(params), cfg, tmp_path / "d", progress=False, commit_every_s=3600.0)
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert sorted(git("ls-files", "answers").split()) == ["answers/manifest.json", "answers/piece_00000.npz",
+                                                          "answers/piece_00001.npz"]

@@ -49,6 +49,7 @@ from hsdjax.runtime import sharding
 from hsdjax.runtime.model import Transformer, causal_mask
 from hsdjax.runtime.sharding import to_host
 from hsdjax.train.answers import AnswerStore, GitCommits, shard_documents
+from hsdjax.train.train import sigterm_as_interrupt
 
 MANIFEST_FORMAT = 2  # 2: shards list their prompts' stream indices (continuous batching)
 PERF_KEYS = ("dir", "answers", "token_budget", "batch", "refill_every", "chunk", "shard_tokens",
@@ -534,9 +535,11 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
         raise HsdjaxError("committing answers needs a folder for them: set data.answers in the config")
     commits = (GitCommits(answers.folder, commit_every_s, log)
                if commit_every_s is not None and jax.process_index() == 0 else None)
+    restore = sigterm_as_interrupt() if commits is not None else (lambda: None)  # a kill commits too
     try:
         return _generate(model, data_cfg, opts, writer, answers, commits, progress)
     finally:
+        restore()
         if commits is not None:
             commits.maybe(answers, force=True)
 
