@@ -413,19 +413,27 @@ def test_answer_pieces_are_compact(tmp_path):
     assert np.array_equal(back.read(back.pieces[1])[0]["tokens"], [70000, 3])
 
 
-def test_answers_are_committed_as_the_run_goes(params, tmp_path):
-    """``commit_every_s``: the answers folder is committed to the git work tree holding it (that folder
-    only: another staged file stays staged), each piece in a commit when the interval is 0; a folder
-    outside a work tree, or committing without a folder, is refused before any work."""
+def git_repo(tmp_path):
+    """An empty git work tree with an identity, and a function running git in it (its stdout)."""
     import subprocess
 
     repo = tmp_path / "repo"
     repo.mkdir()
-    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True,  # noqa: E731
-                                    check=True).stdout
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
     git("init", "-q")
     git("config", "user.email", "t@example.com")
     git("config", "user.name", "t")
+    return repo, git
+
+
+def test_answers_are_committed_as_the_run_goes(params, tmp_path):
+    """``commit_every_s``: the answers folder is committed to the git work tree holding it (that folder
+    only: another staged file stays staged), each piece in a commit when the interval is 0; a folder
+    outside a work tree, or committing without a folder, is refused before any work."""
+    repo, git = git_repo(tmp_path)
     (repo / "other.txt").write_text("staged, not ours to commit\n")
     git("add", "other.txt")
     cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(12, seed=10)),
@@ -453,15 +461,8 @@ def test_a_killed_run_commits_the_answers_it_wrote(params, tmp_path, monkeypatch
     interval has not passed, and the previous SIGTERM handler is back."""
     import os
     import signal
-    import subprocess
 
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True,  # noqa: E731
-                                    check=True).stdout
-    git("init", "-q")
-    git("config", "user.email", "t@example.com")
-    git("config", "user.name", "t")
+    repo, git = git_repo(tmp_path)
     cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(12, seed=11)),
                answers=str(repo / "answers"))
     real_add = AnswerStore.add
