@@ -132,7 +132,7 @@ class HSDDrafter(FeatureDrafter):
         prev = jnp.take_along_axis(gen.seq, jnp.maximum(gen.seq_len - 2, 0)[:, None], axis=1)[:, 0]
         embed, head = dparams["embed"], dparams["head"]
 
-        def inject_logp(state_vec, tokens, parent_tokens, d):  # [B, E], [B, K], [B, K] -> [B, K, V]
+        def injected(state_vec, tokens, parent_tokens, d):  # [B, E], [B, K], [B, K] -> g [B, K, W]
             chain = d > 0  # a chain state's node (``chain_g``: its own g and norms)
             toks = jnp.stack([tokens, parent_tokens], axis=-1)[..., : self.cfg.inject_tokens]
             embs = net.apply({"params": p}, embed, toks, chain, method=FeatureDrafterNet.embed)
@@ -142,18 +142,18 @@ class HSDDrafter(FeatureDrafter):
                 pos = jnp.broadcast_to((state.ctx["len"] + d)[:, None], tokens.shape)
                 q = net.apply({"params": p}, s, embs, pos, chain, method=FeatureDrafterNet.inject_query)
                 context = context_read(q, state.ctx, net.backend)
-            g = net.apply({"params": p}, s, embs, context, chain, method=FeatureDrafterNet.inject)
-            return jax.nn.log_softmax(net.apply({"params": p}, g, head, chain, method=FeatureDrafterNet.logits),
+            return net.apply({"params": p}, s, embs, context, chain, method=FeatureDrafterNet.inject)
+
+        def inject_logp(state_vec, tokens, parent_tokens, d):  # -> [B, K, V]
+            g = injected(state_vec, tokens, parent_tokens, d)
+            return jax.nn.log_softmax(net.apply({"params": p}, g, head, d > 0, method=FeatureDrafterNet.logits),
                                       axis=-1)
 
         def shortlist_logp(state_vec, tokens, parent_tokens, d):  # inject_logp over a shortlist, -inf elsewhere
             chain = d > 0
             cand = jax.lax.top_k(net.apply({"params": p}, state_vec, head, chain, method=FeatureDrafterNet.logits),
                                  self.shortlist)[1]  # [B, S] draft-vocabulary indices
-            toks = jnp.stack([tokens, parent_tokens], axis=-1)[..., : self.cfg.inject_tokens]
-            embs = net.apply({"params": p}, embed, toks, chain, method=FeatureDrafterNet.embed)
-            s = jnp.broadcast_to(state_vec[:, None, :], (*tokens.shape, state_vec.shape[-1]))
-            g = net.apply({"params": p}, s, embs, None, chain, method=FeatureDrafterNet.inject)
+            g = injected(state_vec, tokens, parent_tokens, d)
             y = net.apply({"params": p}, g, chain, method=FeatureDrafterNet.head_input)  # [B, K, E]
             rows = jnp.take(dparams["head_rows"], cand, axis=0)  # [B, S, E]
             scores = jax.nn.log_softmax(jnp.einsum("bke,bse->bks", y, rows, preferred_element_type=jnp.float32), axis=-1)
