@@ -334,6 +334,137 @@ template <int MT, int BITS>
 void XTile(const uint32_t*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
 #endif
 
+// ---- integer pair tiles (AVX2 and NEON): the int8x / int16x products without VNNI --------------------
+// Without a dot product of bytes, a k pair of codes is widened to int16 (4-bit: 0..15; 8-bit: signed)
+// and multiplied with the pair of quantized activations (int8 or int16 values, widened alike), both
+// products of a lane added in int32: AVX2's vpmaddwd, NEON's smlal / smlal2 (one k at a time). The sums
+// are exact (|q| <= 32767, 32 k), so they equal VNNI's. Per block the float32 chains pause in y (loaded,
+// the VNNI tiles' fused multiply-adds, stored): y = fma(offset, sum(q) * scale, y) (4-bit), then
+// y = fma(d * scale, float(sum(q * code)), y): every output the VNNI build's sequence of operations.
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__aarch64__)
+#define HSDJAX_PAIR_TILES 1
+// The two activations of a k pair as int16 halves of one word (the first k in the low half).
+template <typename Q>
+inline uint32_t ActivationPair(const Q* q) {
+  return static_cast<uint16_t>(static_cast<int16_t>(q[0])) |
+         static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(q[1]))) << 16;
+}
+
+#if defined(__AVX2__)
+constexpr int kPairVecs = 4;  // 8 int32 columns per vector
+typedef __m256i PairAcc;
+// A k pair's codes as int16 (row 0, row 1) pairs per lane: columns 0-7, 8-15, 16-23, 24-31.
+template <int BITS>
+inline void PairCodes(const uint8_t* rows, __m256i w[4]) {
+  if constexpr (BITS == 4) {  // a row's byte c holds column c (low nibble) and c + 16 (high)
+    const __m128i nib = _mm_set1_epi8(15);
+    const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));
+    const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 16));
+    const __m128i lo = _mm_unpacklo_epi8(r0, r1), hi = _mm_unpackhi_epi8(r0, r1);
+    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(lo, nib));
+    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(hi, nib));
+    w[2] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(lo, 4), nib));
+    w[3] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(hi, 4), nib));
+  } else {  // a row is 32 signed bytes, column c at byte c
+    for (int h = 0; h < 2; ++h) {
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 16 * h));
+      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 32 + 16 * h));
+      w[2 * h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));
+      w[2 * h + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));
+    }
+  }
+}
+inline void PairZero(__m256i* acc) {
+  for (int j = 0; j < kPairVecs; ++j) acc[j] = _mm256_setzero_si256();
+}
+inline void PairAdd(__m256i* acc, const __m256i* w, uint32_t pair) {
+  const __m256i xv = _mm256_set1_epi32(static_cast<int>(pair));
+  for (int j = 0; j < kPairVecs; ++j) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(w[j], xv));
+}
+// y[0:8] = fma(o, sx, y) (with o) then fma(d * scale, float(acc), y); y starts at 0 when first.
+inline void PairStore(float* y, const float* d, const float* o, float sx, float scale, __m256i acc, bool first) {
+  __m256 a = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
+  if (o) a = _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(sx), a);
+  a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(d), _mm256_set1_ps(scale)), _mm256_cvtepi32_ps(acc), a);
+  _mm256_storeu_ps(y, a);
+}
+#else  // NEON
+constexpr int kPairVecs = 8;  // 4 int32 columns per vector
+typedef int32x4_t PairAcc;
+// A k pair's codes as int16: per row (w[0..3] row 0, w[4..7] row 1) columns 0-7, 8-15, 16-23, 24-31.
+template <int BITS>
+inline void PairCodes(const uint8_t* rows, int16x8_t w[8]) {
+  for (int r = 0; r < 2; ++r) {
+    if constexpr (BITS == 4) {
+      const uint8x16_t bytes = vld1q_u8(rows + 16 * r);
+      const uint8x16_t lo = vandq_u8(bytes, vdupq_n_u8(15)), hi = vshrq_n_u8(bytes, 4);
+      w[4 * r] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(lo)));
+      w[4 * r + 1] = vreinterpretq_s16_u16(vmovl_high_u8(lo));
+      w[4 * r + 2] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(hi)));
+      w[4 * r + 3] = vreinterpretq_s16_u16(vmovl_high_u8(hi));
+    } else {
+      const int8x16_t c0 = vld1q_s8(reinterpret_cast<const int8_t*>(rows + 32 * r));
+      const int8x16_t c1 = vld1q_s8(reinterpret_cast<const int8_t*>(rows + 32 * r + 16));
+      w[4 * r] = vmovl_s8(vget_low_s8(c0));
+      w[4 * r + 1] = vmovl_high_s8(c0);
+      w[4 * r + 2] = vmovl_s8(vget_low_s8(c1));
+      w[4 * r + 3] = vmovl_high_s8(c1);
+    }
+  }
+}
+inline void PairZero(int32x4_t* acc) {
+  for (int j = 0; j < kPairVecs; ++j) acc[j] = vdupq_n_s32(0);
+}
+inline void PairAdd(int32x4_t* acc, const int16x8_t* w, uint32_t pair) {
+  const int16_t q[2] = {static_cast<int16_t>(pair & 0xFFFF), static_cast<int16_t>(pair >> 16)};
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < 4; ++j) {
+      acc[2 * j] = vmlal_n_s16(acc[2 * j], vget_low_s16(w[4 * r + j]), q[r]);
+      acc[2 * j + 1] = vmlal_high_n_s16(acc[2 * j + 1], w[4 * r + j], q[r]);
+    }
+}
+inline void PairStore(float* y, const float* d, const float* o, float sx, float scale, int32x4_t acc, bool first) {
+  float32x4_t a = first ? vdupq_n_f32(0.0f) : vld1q_f32(y);
+  if (o) a = vfmaq_f32(a, vld1q_f32(o), vdupq_n_f32(sx));
+  a = vfmaq_f32(a, vmulq_f32(vld1q_f32(d), vdupq_n_f32(scale)), vcvtq_f32_s32(acc));
+  vst1q_f32(y, a);
+}
+#endif
+
+// MT rows of quantized activations q [MT, k_len] (int8 or int16 values) against one 4- or 8-bit panel;
+// sq: their scale per 32 k, xs: sum(q) * scale per 32 k (4-bit only; 8-bit blocks have no offset).
+template <int MT, int BITS, typename Q>
+void PairTile(const Q* q, const float* sq, const float* xs, int64_t k_len, const uint8_t* panel, float* y, int64_t n) {
+  using F = Format<BITS>;
+  constexpr int kLanesPerVec = 32 / kPairVecs;
+  const int64_t x_blocks = k_len / 32;
+  for (int64_t b = 0; b < k_len / F::kRows; ++b) {
+    const uint8_t* blk = panel + b * F::kBlockBytes;
+    PairAcc acc[MT][kPairVecs];
+    for (int m = 0; m < MT; ++m) PairZero(acc[m]);
+    for (int64_t kp = 0; kp < F::kRows / 2; ++kp) {
+#if defined(__AVX2__)
+      __m256i w[4];
+#else
+      int16x8_t w[8];
+#endif
+      PairCodes<BITS>(blk + F::kHeader + 2 * kp * F::kRowBytes, w);
+      const int64_t k0 = b * F::kRows + 2 * kp;
+      for (int m = 0; m < MT; ++m) PairAdd(acc[m], w, ActivationPair(q + m * k_len + k0));
+    }
+    const int64_t xb = BITS == 4 ? b : b / 2;  // the 32 k of x the block lies in
+    const float* d = reinterpret_cast<const float*>(blk);
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < kPairVecs; ++j)
+        PairStore(y + m * n + kLanesPerVec * j, d + kLanesPerVec * j,
+                  BITS == 4 ? reinterpret_cast<const float*>(blk + 128) + kLanesPerVec * j : nullptr,
+                  BITS == 4 ? xs[m * x_blocks + xb] : 0.0f, sq[m * x_blocks + xb], acc[m][j], b == 0);
+  }
+}
+#else
+#define HSDJAX_PAIR_TILES 0
+#endif
+
 // ---- int8 activations (opt-in, `cpu_matmul="int8x"`): compressed panels, K a multiple of 32 ----------
 // Each row of x is quantized per 32 k (one block): q = round(x * 127 / max|x|) in int8, scale
 // max|x| / 127. AVX512-VNNI multiplies the block's codes (u8, 0..15) with q (s8) and adds four products
@@ -343,6 +474,7 @@ void XTile(const uint32_t*, const float*, int64_t, const uint8_t*, float*, int64
 // 8 bits per block, coarser than bf16x (what llama.cpp's CPU kernels use).
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 constexpr bool kHaveInt8x = true;
+constexpr int kInt8Rows = 4;
 
 template <int MT>
 void ITile(const uint32_t* xq, const float* sq, const float* xs, int64_t k_len, const uint8_t* panel, float* y,
@@ -457,8 +589,25 @@ void ITile8(const uint32_t* xq, const float* sq, int64_t k_len, const uint8_t* p
     _mm512_storeu_ps(y + m * n + 16, a1[m]);
   }
 }
+#elif HSDJAX_PAIR_TILES
+// AVX2 or NEON (no four-k dot product of bytes): the pair tiles above on the int8 activations, whose
+// integer sums equal VNNI's (exact either way), followed by the same float32 operations: the same bits.
+constexpr bool kHaveInt8x = true;
+constexpr int kInt8Rows = 2;
+
+template <int MT>
+void ITile(const uint32_t* xq, const float* sq, const float* xs, int64_t k_len, const uint8_t* panel, float* y,
+           int64_t n) {
+  PairTile<MT, 4>(reinterpret_cast<const int8_t*>(xq), sq, xs, k_len, panel, y, n);
+}
+
+template <int MT>
+void ITile8(const uint32_t* xq, const float* sq, int64_t k_len, const uint8_t* panel, float* y, int64_t n) {
+  PairTile<MT, 8>(reinterpret_cast<const int8_t*>(xq), sq, nullptr, k_len, panel, y, n);
+}
 #else
 constexpr bool kHaveInt8x = false;
+constexpr int kInt8Rows = 1;
 template <int MT>
 void ITile(const uint32_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
 template <int MT>
@@ -511,6 +660,7 @@ void QuantizeActivations16(const float* x, int64_t m, int64_t k, uint32_t* xw, f
 // float32 chains; every output one fixed sequence whatever M is (tree passes equal `ar` steps bit for bit).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHaveInt16x = true;
+constexpr int kInt16Rows = 4;  // 4 rows per tile (8 accumulators of 32 registers)
 
 // A k pair of a 4-bit block's codes as int16 pairs per lane: columns 0-15 (w0) and 16-31 (w1).
 inline void PairCodes16(const uint8_t* rows, __m512i& w0, __m512i& w1) {
@@ -562,55 +712,19 @@ void WTile(const uint32_t* xw, const float* sq, const float* xs, int64_t k_len, 
     _mm512_storeu_ps(y + m * n + 16, a1[m]);
   }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-// The same products with AVX2: vpmaddwd multiplies the k pair's int16 codes and activations and adds
-// the two products per lane (exact), a vpaddd accumulates them; 8 columns per vector, so a row's 32
-// columns are 4 int32 accumulators and a tile holds 2 rows (16 registers). The float32 chains of a
-// tile pause in y between blocks (loaded, two fused multiply-adds per block as above, stored), so every
-// output is the AVX-512 build's sequence of operations: the same bits on both instruction sets.
+#elif HSDJAX_PAIR_TILES
+// AVX2 or NEON: the pair tiles above on the int16 activations (the same bits as the VNNI tile).
 constexpr bool kHaveInt16x = true;
+constexpr int kInt16Rows = 2;
 
 template <int MT>
 void WTile(const uint32_t* xw, const float* sq, const float* xs, int64_t k_len, const uint8_t* panel, float* y,
            int64_t n) {
-  using F = Format<4>;
-  const int64_t pairs_per_row = k_len / 2, x_blocks = k_len / 32;
-  const __m128i nib = _mm_set1_epi8(15);
-  for (int64_t b = 0; b < k_len / F::kRows; ++b) {
-    const uint8_t* blk = panel + b * F::kBlockBytes;
-    __m256i acc[MT][4];
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_si256();
-    for (int64_t kp = 0; kp < F::kRows / 2; ++kp) {
-      const uint8_t* rows = blk + F::kHeader + 2 * kp * F::kRowBytes;
-      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));
-      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 16));
-      const __m128i lo = _mm_unpacklo_epi8(r0, r1), hi = _mm_unpackhi_epi8(r0, r1);  // columns 0-7, 8-15 (+16)
-      const __m256i w[4] = {_mm256_cvtepu8_epi16(_mm_and_si128(lo, nib)), _mm256_cvtepu8_epi16(_mm_and_si128(hi, nib)),
-                            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(lo, 4), nib)),
-                            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(hi, 4), nib))};
-      const int64_t pair = b * (F::kRows / 2) + kp;
-      for (int m = 0; m < MT; ++m) {
-        const __m256i xv = _mm256_set1_epi32(static_cast<int>(xw[m * pairs_per_row + pair]));
-        for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(w[j], xv));
-      }
-    }
-    for (int m = 0; m < MT; ++m) {
-      const __m256 scale = _mm256_set1_ps(sq[m * x_blocks + b]), sx = _mm256_set1_ps(xs[m * x_blocks + b]);
-      for (int j = 0; j < 4; ++j) {
-        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * j);
-        const __m256 o = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 128) + 8 * j);
-        float* yj = y + m * n + 8 * j;
-        __m256 a = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yj);
-        a = _mm256_fmadd_ps(o, sx, a);
-        a = _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_cvtepi32_ps(acc[m][j]), a);
-        _mm256_storeu_ps(yj, a);
-      }
-    }
-  }
+  PairTile<MT, 4>(reinterpret_cast<const int16_t*>(xw), sq, xs, k_len, panel, y, n);
 }
 #else
 constexpr bool kHaveInt16x = false;
+constexpr int kInt16Rows = 1;
 template <int MT>
 void WTile(const uint32_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t) {}
 #endif
@@ -644,24 +758,26 @@ void ActivationRows(const Work& w, const uint8_t* pq, float* y, int64_t m0, int6
   float* ys = y + m0 * w.n;
   const float* xsr = w.xs ? w.xs + m0 * (w.k / 32) : nullptr;
   const float* sqr = w.sq ? w.sq + m0 * (w.k / 32) : nullptr;
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // at most 4 rows per integer tile (8 would spill)
-    const int64_t rest = std::min<int64_t>(4, rows - r0), bt = r0 * (w.k / 32);
-    float* yr = ys + r0 * w.n;
-    if (w.xw) {  // (2 rows per tile with AVX2's 16 registers)
-      constexpr int kRows16 = hsdjax_simd::kRegisters >= 32 ? 4 : 2;
-      for (int64_t s0 = 0; s0 < rest; s0 += kRows16) {
-        const uint32_t* xwr = w.xw + (m0 + r0 + s0) * (w.k / 2);
-        const int64_t st = (r0 + s0) * (w.k / 32);
-        WithRows<kRows16>(std::min<int64_t>(kRows16, rest - s0), [&](auto mt) {
-          WTile<decltype(mt)::value>(xwr, sqr + st, xsr + st, w.k, pq, yr + s0 * w.n, w.n);
-        });
-      }
-    } else if (w.xq && w.bits == 8) {
+  // Integer tiles of kInt16Rows / kInt8Rows rows: 4 with AVX-512 VNNI (8 would spill), 2 with AVX2's 16
+  // registers and NEON's 8 accumulators a row.
+  if (w.xw) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kInt16Rows) {
+      const int64_t st = r0 * (w.k / 32);
+      WithRows<kInt16Rows>(std::min<int64_t>(kInt16Rows, rows - r0), [&](auto mt) {
+        WTile<decltype(mt)::value>(w.xw + (m0 + r0) * (w.k / 2), sqr + st, xsr + st, w.k, pq, ys + r0 * w.n, w.n);
+      });
+    }
+  } else if (w.xq) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kInt8Rows) {
+      const int64_t bt = r0 * (w.k / 32);
       const uint32_t* xqr = w.xq + (m0 + r0) * (w.k / 4);
-      WithRows<4>(rest, [&](auto mt) { ITile8<decltype(mt)::value>(xqr, sqr + bt, w.k, pq, yr, w.n); });
-    } else if (w.xq) {
-      const uint32_t* xqr = w.xq + (m0 + r0) * (w.k / 4);
-      WithRows<4>(rest, [&](auto mt) { ITile<decltype(mt)::value>(xqr, sqr + bt, xsr + bt, w.k, pq, yr, w.n); });
+      WithRows<kInt8Rows>(std::min<int64_t>(kInt8Rows, rows - r0), [&](auto mt) {
+        if (w.bits == 8) {
+          ITile8<decltype(mt)::value>(xqr, sqr + bt, w.k, pq, ys + r0 * w.n, w.n);
+        } else {
+          ITile<decltype(mt)::value>(xqr, sqr + bt, xsr + bt, w.k, pq, ys + r0 * w.n, w.n);
+        }
+      });
     }
   }
   if (w.xb) {  // bf16x: tiles of up to 8 rows
@@ -816,7 +932,7 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
   std::unique_ptr<float[]> xs, sq;
   if (act == Activations::kInt8 && k % 32 == 0) {  // x is quantized per 32 k (else: the float32 chains)
     if (!kHaveInt8x) {
-      return ffi::Error::InvalidArgument("hsdjax int8x matmul: this build has no AVX512-VNNI / AVX512-VBMI");
+      return ffi::Error::InvalidArgument("hsdjax int8x matmul: this build has no integer products (AVX512-VNNI, AVX2 or NEON)");
     }
     xb.reset(new uint32_t[m * (k / 4)]);
     sq.reset(new float[m * (k / 32)]);
@@ -829,7 +945,7 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
   if (act == Activations::kInt16 && bits == 4) {  // x is quantized per 32 k (8-bit blocks: the float32 chains)
     if (!kHaveInt16x) {
       return ffi::Error::InvalidArgument(
-          "hsdjax int16x matmul: this build has neither AVX512-VNNI / AVX512-BW nor AVX2");
+          "hsdjax int16x matmul: this build has no integer products (AVX512-VNNI, AVX2 or NEON)");
     }
     xw.reset(new uint32_t[m * (k / 2)]);
     sq.reset(new float[m * (k / 32)]);
@@ -908,24 +1024,14 @@ Best ExactBest(const float* x, int64_t k, const uint8_t* wq, int64_t panel_bytes
   return best;
 }
 
-ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
-                          ffi::Buffer<ffi::F32> colabs, ffi::ResultBuffer<ffi::S32> out) {
-  auto xd = x.dimensions();
-  auto wd = wq.dimensions();
-  auto ad = colabs.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || ad.size() != 3 || wd[2] != Format<8>::kBlockBytes ||
-      xd[1] != wd[1] * Format<8>::kRows || xd[1] % 32 != 0 || ad[0] != wd[0] || ad[1] != xd[1] / 32 ||
-      ad[2] != kPanel) {
-    return ffi::Error::InvalidArgument("hsdjax screened argmax: expects x [M, K], 8-bit panels [N/32, K/16, 640] "
-                                       "and column sums [N/32, K/32, 32]");
-  }
-  if (!kHaveInt8x) {
-    return ffi::Error::InvalidArgument("hsdjax screened argmax: this build has no AVX512-VNNI / AVX512-VBMI");
-  }
-  const int64_t m = xd[0], k = xd[1], panels = wd[0], n = panels * kPanel, blocks = k / 32;
-  const int64_t panel_bytes = wd[1] * Format<8>::kBlockBytes;
-  const float* xs = x.typed_data();
-  const uint8_t* w = wq.typed_data();
+// Each row's argmax through the screen: x [m, k], 8-bit panels w [panels, k/16, 640], their column sums
+// of |w| colabs [panels, k/32, 32]; run_panels(work) computes the int8 products and bounds of every panel
+// (on a thread pool under XLA, serially in the self-test).
+template <typename RunPanels>
+void ScreenArgmax(const float* xs, int64_t m, int64_t k, const uint8_t* w, int64_t panels, const float* colabs,
+                  int32_t* out, RunPanels&& run_panels) {
+  const int64_t n = panels * kPanel, blocks = k / 32;
+  const int64_t panel_bytes = k / Format<8>::kRows * Format<8>::kBlockBytes;
   thread_local std::unique_ptr<float[]> hi, lo_max, hi_max;  // reused across calls: no page faults per call
   thread_local int64_t have = 0;
   if (have < m * n) {
@@ -940,10 +1046,10 @@ ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   Work all{xs, m, k, w, panel_bytes, 8, 0, panels, hi.get(), n};
   all.xq = xq.get();
   all.sq = sq.get();
-  all.colabs = colabs.typed_data();
+  all.colabs = colabs;
   all.lo_max = lo_max.get();
   all.hi_max = hi_max.get();
-  RunChunks(pool, all);
+  run_panels(all);
   std::unique_ptr<int64_t[]> listed(new int64_t[panels]);
   for (int64_t r = 0; r < m; ++r) {
     const float* xr = xs + r * k;
@@ -967,8 +1073,27 @@ ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       for (int64_t p = 0; p < panels; ++p) listed[p] = p;
       best = ExactBest(xr, k, w, panel_bytes, listed.get(), panels, [](int64_t) { return true; });
     }
-    out->typed_data()[r] = static_cast<int32_t>(best.index);
+    out[r] = static_cast<int32_t>(best.index);
   }
+}
+
+ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                          ffi::Buffer<ffi::F32> colabs, ffi::ResultBuffer<ffi::S32> out) {
+  auto xd = x.dimensions();
+  auto wd = wq.dimensions();
+  auto ad = colabs.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || ad.size() != 3 || wd[2] != Format<8>::kBlockBytes ||
+      xd[1] != wd[1] * Format<8>::kRows || xd[1] % 32 != 0 || ad[0] != wd[0] || ad[1] != xd[1] / 32 ||
+      ad[2] != kPanel) {
+    return ffi::Error::InvalidArgument("hsdjax screened argmax: expects x [M, K], 8-bit panels [N/32, K/16, 640] "
+                                       "and column sums [N/32, K/32, 32]");
+  }
+  if (!kHaveInt8x) {
+    return ffi::Error::InvalidArgument(
+        "hsdjax screened argmax: this build has no integer products (AVX512-VNNI, AVX2 or NEON)");
+  }
+  ScreenArgmax(x.typed_data(), xd[0], xd[1], wq.typed_data(), wd[0], colabs.typed_data(), out->typed_data(),
+               [&](const Work& all) { RunChunks(pool, all); });
   return ffi::Error::Success();
 }
 
@@ -1024,10 +1149,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxScreenedArgmax, ScreenedArgmax,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-// Whether this build has the int8-activation products (AVX512-VNNI and AVX512-VBMI).
+// Whether this build has the int8-activation products (AVX512-VNNI and AVX512-VBMI, AVX2, or NEON).
 extern "C" int HsdjaxHasInt8x() { return kHaveInt8x ? 1 : 0; }
 
-// Whether this build has the int16-activation products (AVX512-VNNI and AVX512-BW, or AVX2).
+// Whether this build has the int16-activation products (AVX512-VNNI and AVX512-BW, AVX2, or NEON).
 extern "C" int HsdjaxHasInt16x() { return kHaveInt16x ? 1 : 0; }
 
 // Whether this build has the bfloat16-activation products (AVX512-BF16 and AVX512-VBMI).

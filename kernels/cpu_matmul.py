@@ -189,14 +189,14 @@ def has_bf16x() -> bool:
 
 
 def has_int8x() -> bool:
-    """Whether the loaded kernel has the int8-activation products (built on a CPU with AVX512-VNNI and
-    AVX512-VBMI)."""
+    """Whether the loaded kernel has the int8-activation products (built for AVX512-VNNI and AVX512-VBMI,
+    AVX2, or NEON: the same results on each)."""
     return bool(load() and _state["loaded"].HsdjaxHasInt8x())
 
 
 def has_int16x() -> bool:
-    """Whether the loaded kernel has the int16-activation products (built on a CPU with AVX512-VNNI and
-    AVX512-BW)."""
+    """Whether the loaded kernel has the int16-activation products (built for AVX512-VNNI and AVX512-BW,
+    AVX2, or NEON)."""
     return bool(load() and _state["loaded"].HsdjaxHasInt16x())
 
 
@@ -530,14 +530,14 @@ def column_abs_sums(wq: Any) -> np.ndarray:
 def can_screen(wq: Any, activations: str = "float32") -> bool:
     """Whether ``screened_argmax`` applies: 8-bit compressed panels whose logits are the float32 chains
     (not ``int8x``, where the int8 products are the model; ``int16x`` keeps 8-bit panels in float32), K a
-    multiple of 32, a VNNI build."""
+    multiple of 32, a build with integer products (VNNI, AVX2 or NEON)."""
     return (activations != "int8" and is_compressed(wq) and compressed_bits(wq) == 8
             and wq.shape[-2] * BLOCK_ROWS[8] % 32 == 0 and has_int8x())
 
 
 def screened_argmax(x: Float[Array, "... K"], wq: Any, colabs: Any) -> Int[Array, "..."]:
     """``argmax(panel_matmul(x, wq), -1)`` (first index of the largest; a NaN wins) without most of the
-    float32 product: AVX512-VNNI's int8 products bound every logit (``column_abs_sums``), and the float32
+    float32 product: the int8 products (VNNI, AVX2 or NEON) bound every logit (``column_abs_sums``), and the float32
     chains run only on the panels holding a column that could be the largest (a handful per row on
     SmolLM2's head), so the index is that of the full product bit for bit. 8-bit panels (``can_screen``)."""
     lead, k = x.shape[:-1], x.shape[-1]

@@ -3,7 +3,9 @@
 // user-mode emulator). On inputs made by a fixed integer generator (the same on every machine):
 //   - every matmul format (float32, bfloat16, 4-bit and 8-bit compressed panels) at several row counts
 //     must equal, bit for bit, a scalar reference chain of fused multiply-adds over k (std::fma), and
-//     each row must be the same whatever the row count (a tree pass equals one-token steps);
+//     each row must be the same whatever the row count (a tree pass equals one-token steps); the same
+//     for the integer-activation products (int16x, int8x) against their scalar references, and the
+//     int8 screen of an 8-bit head must pick the float32 argmax;
 //   - the cache and tree attention kernels must match a double-precision reference within 1e-5;
 // and every output is hashed (FNV-1a over the bytes) and printed, so builds for different instruction
 // sets can be compared: equal hashes mean bitwise-equal results across them.
@@ -209,6 +211,105 @@ void Int16xChecks() {
   }
 }
 
+// int8x (4- and 8-bit panels): x quantized to int8 per 32 k; per block of a 4-bit panel
+// y = fma(offset, sum(q) * scale, y), then (both) y = fma(d * scale, float(sum(q * code)), y), the
+// integer sums exact (VNNI's four-k dot products or the pair tiles' two-k ones give the same sums).
+void Int8xChecks() {
+  Seed(3);
+  if (!kHaveInt8x) {
+    std::printf("int8x: not in this build\n");
+    return;
+  }
+  for (int bits : {4, 8}) {
+    for (int64_t k : {64, 576}) {
+      const int64_t n = 64, m_max = 9;
+      const Weights wt = Make(bits, k, n);
+      std::vector<float> x(m_max * k);
+      for (float& v : x) v = Uniform();
+      std::vector<uint32_t> xq(m_max * k / 4);
+      std::vector<float> sq(m_max * k / 32), xs(m_max * k / 32);
+      QuantizeActivations(x.data(), m_max, k, xq.data(), sq.data(), xs.data());
+      const int8_t* q = reinterpret_cast<const int8_t*>(xq.data());
+      const int64_t rows = bits == 4 ? Format<4>::kRows : Format<8>::kRows;
+      const int64_t block = bits == 4 ? Format<4>::kBlockBytes : Format<8>::kBlockBytes;
+      const int64_t header = bits == 4 ? Format<4>::kHeader : Format<8>::kHeader;
+      std::vector<float> ref(m_max * n);
+      for (int64_t r = 0; r < m_max; ++r)
+        for (int64_t c = 0; c < n; ++c) {
+          const int64_t p = c / kPanel, j = c % kPanel;
+          float acc = 0.0f;
+          for (int64_t b = 0; b < k / rows; ++b) {
+            const uint8_t* blk = wt.bytes.data() + p * wt.panel_bytes + b * block;
+            float d;
+            std::memcpy(&d, blk + 4 * j, 4);
+            int32_t isum = 0;
+            for (int64_t kk = 0; kk < rows; ++kk) {
+              const int code = bits == 4 ? (j < 16 ? blk[header + kk * 16 + j % 16] & 15 : blk[header + kk * 16 + j % 16] >> 4)
+                                         : static_cast<int8_t>(blk[header + kk * 32 + j]);
+              isum += code * q[r * k + rows * b + kk];
+            }
+            const int64_t xb = bits == 4 ? b : b / 2;
+            const float scale = sq[r * (k / 32) + xb];
+            if (bits == 4) {
+              float o;
+              std::memcpy(&o, blk + 128 + 4 * j, 4);
+              acc = std::fma(o, xs[r * (k / 32) + xb], acc);
+            }
+            acc = std::fma(d * scale, static_cast<float>(isum), acc);
+          }
+          ref[r * n + c] = acc;
+        }
+      for (int64_t m : {1, 2, 3, 8, 9}) {
+        std::vector<float> y(m * n, -1.0f);
+        Work w{x.data(), m, k, wt.bytes.data(), wt.panel_bytes, bits, 0, n / kPanel, y.data(), n};
+        w.xq = xq.data();
+        w.sq = sq.data();
+        w.xs = xs.data();
+        Panels(w);
+        Check(std::memcmp(y.data(), ref.data(), m * n * 4) == 0, "int8x bits=" + std::to_string(bits) + " k=" +
+              std::to_string(k) + " m=" + std::to_string(m) + " equals its scalar reference bit for bit");
+      }
+      std::printf("matmul int8x bits=%d k=%lld %016llx\n", bits, static_cast<long long>(k),
+                  static_cast<unsigned long long>(Hash(ref.data(), ref.size() * 4)));
+    }
+  }
+}
+
+// The screened argmax of an 8-bit head equals the argmax (first largest) of its float32 chains, for
+// random rows, rows whose logits nearly tie (x scaled far down) and rows with a NaN.
+void ScreenChecks() {
+  Seed(4);
+  if (!kHaveInt8x) {
+    std::printf("screened argmax: not in this build\n");
+    return;
+  }
+  const int64_t k = 576, n = 4096, m = 9, panels = n / kPanel;
+  const Weights wt = Make(8, k, n);
+  std::vector<float> colabs(panels * (k / 32) * kPanel, 0.0f);
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t kk = 0; kk < k; ++kk)
+      colabs[((c / kPanel) * (k / 32) + kk / 32) * kPanel + c % kPanel] += std::fabs(wt.w[c * k + kk]);
+  std::vector<float> x(m * k);
+  for (float& v : x) v = Uniform();
+  for (int64_t i = 0; i < k; ++i) x[3 * k + i] *= 1e-6f;  // nearly tied logits
+  x[7 * k + 5] = std::nanf("");
+  const std::vector<float> y = Product(wt, x, m);
+  std::vector<int32_t> want(m), got(m, -1);
+  for (int64_t r = 0; r < m; ++r) {
+    int64_t best = 0;
+    for (int64_t c = 1; c < n; ++c) {
+      if (std::isnan(y[r * n + best])) break;
+      if (std::isnan(y[r * n + c]) || y[r * n + c] > y[r * n + best]) best = c;
+    }
+    want[r] = static_cast<int32_t>(best);
+  }
+  ScreenArgmax(x.data(), m, k, wt.bytes.data(), panels, colabs.data(), got.data(), [](const Work& w) { Panels(w); });
+  for (int64_t r = 0; r < m; ++r)
+    Check(got[r] == want[r], "screened argmax row " + std::to_string(r) + " is the float32 argmax (" +
+          std::to_string(got[r]) + " vs " + std::to_string(want[r]) + ")");
+  std::printf("matmul screened argmax %016llx\n", static_cast<unsigned long long>(Hash(got.data(), m * 4)));
+}
+
 // ---- attention -------------------------------------------------------------------------------------
 
 struct SerialPool {  // no helper threads: the calling thread runs every item
@@ -375,6 +476,8 @@ int main(int argc, char** argv) {
   std::printf("instruction set %s, %d floats per vector\n", hsdjax_simd::kIsa, hsdjax_simd::kLanes);
   MatmulChecks();
   Int16xChecks();
+  Int8xChecks();
+  ScreenChecks();
   AttentionChecks();
   std::printf("selftest: %d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;

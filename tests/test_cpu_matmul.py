@@ -206,7 +206,7 @@ def test_int8x_products_quantize_only_the_activations_and_are_the_same_for_every
     weight up to float32 rounding, for 4-bit and 8-bit (signed codes) panels; every row bitwise the same
     alone or in a batch; rows of zeros handled; the jnp reference quantizes the same way."""
     if not cpu_matmul.has_int8x():
-        pytest.skip("this CPU has no AVX512-VNNI / AVX512-VBMI")
+        pytest.skip("this build has no integer products (AVX512-VNNI, AVX2 or NEON)")
     rng = np.random.default_rng(11)
     x = rng.standard_normal((19, 576)).astype(np.float32)
     x[3] = 0.0  # a row of zeros: scale 0, no division by zero
@@ -384,7 +384,7 @@ def test_screened_argmax_is_the_float32_products_argmax(kernel, kb, panels, m, s
     column: the first wins), on near-ties (one code apart), for every row count (tiles of 4 int8 rows,
     sweeps of more than 8), on zero, NaN and infinite rows."""
     if not cpu_matmul.has_int8x():  # asked after the kernel is built (not at collection)
-        pytest.skip("the int8 screen needs AVX512-VNNI / AVX512-VBMI")
+        pytest.skip("the int8 screen needs integer products (AVX512-VNNI, AVX2 or NEON)")
     rng = np.random.default_rng(seed)
     k, n = 32 * kb, 32 * panels
     w = block_quantized(rng, k, n, 8)
@@ -420,7 +420,7 @@ def test_speculative_decoding_with_the_screened_head_equals_ar(kernel):
     """A tiny model with an 8-bit head: greedy tokens through the screen equal the full logits' argmax,
     for `ar` and for `pld`'s tree passes (and sampled rows still draw from the full logits)."""
     if not cpu_matmul.has_int8x():
-        pytest.skip("the int8 screen needs AVX512-VNNI / AVX512-VBMI")
+        pytest.skip("the int8 screen needs integer products (AVX512-VNNI, AVX2 or NEON)")
     rng = np.random.default_rng(11)
     params = init_params(PANEL_LLAMA, seed=8)
     params = {**params, "embed": jnp.asarray(block_quantized(rng, 64, 96, 8).T * 4)}

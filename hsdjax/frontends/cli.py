@@ -101,7 +101,7 @@ def _add_model_args(p: argparse.ArgumentParser, default_method: str = "ar") -> N
                    help="hsdjax's CPU matmul kernel (auto: when built with `hsdjax cpu-matmul build` and measured "
                         "faster than XLA's dot on this CPU; on: always when built; bf16x: "
                         "activations rounded to bfloat16, faster tree passes, not float32 outputs; int8x: "
-                        "activations quantized to int8 (VNNI), faster still, coarser; int16x: to int16 (VNNI), "
+                        "activations quantized to int8 (VNNI), faster still, coarser; int16x: to int16 (VNNI, AVX2 or NEON), "
                         "near float32; default: $HSDJAX_CPU_MATMUL or auto)")
     p.add_argument("--kv-cache", choices=("float32", "float16", "bfloat16"), default=None, dest="cache_dtype",
                    help="KV cache storage (default: the compute dtype; float16 halves what a long-context "

@@ -117,9 +117,9 @@ def cpu_kernels_unavailable(setting: str | None, cfg: ModelConfig, mesh: Any) ->
     elif why is None and setting == "bf16x" and not cpu_matmul_kernel.has_bf16x():
         why = "this CPU has no AVX512-BF16 / AVX512-VBMI (the bfloat16-activation products)"
     elif why is None and setting == "int8x" and not cpu_matmul_kernel.has_int8x():
-        why = "this CPU has no AVX512-VNNI / AVX512-VBMI (the int8-activation products)"
+        why = "this CPU has no integer products (AVX512-VNNI, AVX2 or NEON) for the int8-activation products"
     elif why is None and setting == "int16x" and not cpu_matmul_kernel.has_int16x():
-        why = "this CPU has neither AVX512-VNNI / AVX512-BW nor AVX2 (the int16-activation products)"
+        why = "this CPU has no integer products (AVX512-VNNI, AVX2 or NEON) for the int16-activation products"
     return why
 
 
@@ -213,14 +213,14 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     with activations rounded to bfloat16 (AVX512-BF16 dot products: tree passes about half the
     arithmetic; not the float32 model's outputs, but every method computes the same, so speculative
     output still equals `ar`'s). ``int8x``: the same with activations quantized to int8 per 32 k
-    (AVX512-VNNI, four k per instruction; coarser than ``bf16x``). ``int16x``: quantized to int16 per
-    32 k (VNNI, two k per instruction; within ~1e-5 of the float32 products). Default:
+    (AVX512-VNNI four k per instruction, AVX2 / NEON two; coarser than ``bf16x``). ``int16x``: quantized to int16 per
+    32 k (AVX512-VNNI, AVX2 or NEON integer multiply-adds; within ~1e-5 of the float32 products). Default:
     ``$HSDJAX_CPU_MATMUL``, else ``auto``.
 
     ``screened_head``: greedy tokens of an 8-bit compressed LM head (SmolLM2's Q8_0) through an int8
     screen (``cpu_matmul.screened_argmax``): the same token as the float32 logits' argmax, computing
     the float32 products only for the few columns that could be the largest. None (default): on where it
-    applies (the kernels run in ``auto`` / ``bf16x`` mode on a CPU with AVX512-VNNI), unless
+    applies (the kernels run in ``auto`` / ``bf16x`` mode on a CPU with AVX512-VNNI, AVX2 or NEON), unless
     ``$HSDJAX_SCREENED_HEAD`` is ``0``; False: the argmax of the full logits.
 
     ``cache_dtype``: the KV cache's storage dtype (default: the compute dtype). ``float16`` halves what
