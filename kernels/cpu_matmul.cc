@@ -1152,6 +1152,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxScreenedArgmax, ScreenedArgmax,
 // Whether this build has the int8-activation products (AVX512-VNNI and AVX512-VBMI, AVX2, or NEON).
 extern "C" int HsdjaxHasInt8x() { return kHaveInt8x ? 1 : 0; }
 
+// k per integer instruction of the int8 products: 4 (VNNI's byte dot products), 2 (the pair tiles), 0.
+extern "C" int HsdjaxInt8KPerInstruction() { return !kHaveInt8x ? 0 : HSDJAX_PAIR_TILES && kInt8Rows == 2 ? 2 : 4; }
+
 // Whether this build has the int16-activation products (AVX512-VNNI and AVX512-BW, AVX2, or NEON).
 extern "C" int HsdjaxHasInt16x() { return kHaveInt16x ? 1 : 0; }
 

@@ -194,6 +194,14 @@ def has_int8x() -> bool:
     return bool(load() and _state["loaded"].HsdjaxHasInt8x())
 
 
+def screen_pays() -> bool:
+    """Whether the int8 screen of the head is measured to beat the full float32 head on tree passes:
+    with VNNI's four-k byte dot products (tree rounds 2-11% cheaper). The pair tiles of AVX2 builds
+    measured 0.98-1.05x (`experiments/model_variants.py --compare screened`, x86-64-v3 build, 2-16
+    rows), so there it is opt-in (``HSDJAX_SCREENED_HEAD=1``)."""
+    return bool(load() and _state["loaded"].HsdjaxInt8KPerInstruction() == 4)
+
+
 def has_int16x() -> bool:
     """Whether the loaded kernel has the int16-activation products (built for AVX512-VNNI and AVX512-BW,
     AVX2, or NEON)."""

@@ -493,7 +493,7 @@ def test_real_model_loads_with_the_kernel_compressed_and_float32_panels_agree(ke
     assert {k: str(v.dtype) for k, v in layer.items() if k in cpu_matmul.PACKED_WEIGHTS} == {
         k: "uint8" for k in ("wqkv", "wo", "w_gate_up", "w_down")}
     assert cpu_matmul.compressed_bits(smollm.params["head_panels"]) == 8
-    assert smollm.cfg.screened_head == cpu_matmul.has_int8x()  # greedy tokens through the int8 screen
+    assert smollm.cfg.screened_head == cpu_matmul.screen_pays()  # greedy tokens through the int8 screen (VNNI)
     prompt = "List three uses of a paperclip, then explain the second one."
     ar = Generator(smollm, "ar").generate(prompt, max_new_tokens=40)[0]
     float32 = load_model("smollm2-135m", cpu_matmul="float32")

@@ -220,16 +220,19 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     ``screened_head``: greedy tokens of an 8-bit compressed LM head (SmolLM2's Q8_0) through an int8
     screen (``cpu_matmul.screened_argmax``): the same token as the float32 logits' argmax, computing
     the float32 products only for the few columns that could be the largest. None (default): on where it
-    applies (the kernels run in ``auto`` / ``bf16x`` mode on a CPU with AVX512-VNNI, AVX2 or NEON), unless
-    ``$HSDJAX_SCREENED_HEAD`` is ``0``; False: the argmax of the full logits.
+    applies and pays (the kernels run in ``auto`` / ``bf16x`` mode, built with AVX512-VNNI's byte dot
+    products; with AVX2 or NEON the screen is exact too but measured no faster, so it needs
+    ``$HSDJAX_SCREENED_HEAD=1``), unless ``$HSDJAX_SCREENED_HEAD`` is ``0``; False: the argmax of the full
+    logits.
 
     ``cache_dtype``: the KV cache's storage dtype (default: the compute dtype). ``float16`` halves what
     a long-context step reads; outputs may differ from a float32 cache's (each key and value is rounded
     once), but every method rounds the same way, so speculative output still equals `ar`'s.
     """
     mesh = sharding.make_mesh(mesh)
-    if screened_head is None:
-        screened_head = os.environ.get("HSDJAX_SCREENED_HEAD", "1") != "0"
+    if screened_head is None:  # on by default where it was measured to pay (VNNI builds)
+        setting = os.environ.get("HSDJAX_SCREENED_HEAD", "")
+        screened_head = setting == "1" or (setting != "0" and cpu_matmul_kernel.screen_pays())
     layer_loop = layer_loop or default_layer_loop()
     if layer_loop not in ("scan", "unrolled"):
         raise HsdjaxError(f"layer_loop must be 'scan' or 'unrolled' (got {layer_loop!r})")
