@@ -166,6 +166,67 @@ void DecodedRowsProduct(const float* x, int64_t k, const uint8_t* wq, float* y, 
     for (int j = 0; j < kVecs; ++j) Store(y + m * n + j * kLanes, acc[m][j]);
 }
 
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 (4 vectors per panel row, 16 registers: full-panel tiles hold 3 rows): tiles of 4-6 rows over
+// half a panel, vectors {H, H + 2} (columns 8H..8H+7 and 16+8H..16+8H+7: one 8-byte load of 4-bit codes
+// holds both), so a 4-6 row tree pass decodes the panel once in all instead of once per 3-row tile, with
+// 8-12 chains in flight. Each output's chain is unchanged (the same bits). 576x1536 4-bit, one thread,
+// x86-64-v3 build on a Xeon: M = 4 134 -> 88 us, 5 148 -> 103, 6 166 -> 121 (M = 3: 83).
+constexpr bool kHalfTiles = true;
+template <int BITS, int H>
+inline void DecodeHalfRow(const uint8_t* blk, int64_t kk, vf (&w)[2]) {
+  using F = Format<BITS>;
+  const float* scale = reinterpret_cast<const float*>(blk);
+  const uint8_t* codes = blk + F::kHeader + kk * F::kRowBytes;
+  __m256 c0, c1;
+  if constexpr (BITS == 4) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * H)));
+    c0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    c1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  } else {
+    c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * H))));
+    c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 + 8 * H))));
+  }
+  vf a, b;
+  std::memcpy(&a, &c0, 32);
+  std::memcpy(&b, &c1, 32);
+  if constexpr (BITS == 4) {
+    const float* offset = reinterpret_cast<const float*>(blk + kPanel * 4);
+    w[0] = a * Load(scale + H * kLanes) + Load(offset + H * kLanes);
+    w[1] = b * Load(scale + (H + 2) * kLanes) + Load(offset + (H + 2) * kLanes);
+  } else {
+    w[0] = a * Load(scale + H * kLanes);
+    w[1] = b * Load(scale + (H + 2) * kLanes);
+  }
+}
+
+template <int BITS, int MT, int H>
+void DecodedHalfProduct(const float* x, int64_t k, const uint8_t* wq, float* y, int64_t n) {
+  using F = Format<BITS>;
+  vf acc[MT][2] = {};
+  for (int64_t b = 0; b < k / F::kRows; ++b) {
+    const uint8_t* blk = wq + b * F::kBlockBytes;
+    for (int64_t kk = 0; kk < F::kRows; ++kk) {
+      vf w[2];
+      DecodeHalfRow<BITS, H>(blk, kk, w);
+      for (int m = 0; m < MT; ++m) {
+        const vf xv = Splat(x[m * k + b * F::kRows + kk]);
+        acc[m][0] += xv * w[0];
+        acc[m][1] += xv * w[1];
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    Store(y + m * n + H * kLanes, acc[m][0]);
+    Store(y + m * n + (H + 2) * kLanes, acc[m][1]);
+  }
+}
+#else
+constexpr bool kHalfTiles = false;
+template <int BITS, int MT, int H>
+void DecodedHalfProduct(const float*, int64_t, const uint8_t*, float*, int64_t) {}
+#endif
 // Rows of a bfloat16 panel as float32: the 16 bits become the high half of the float (exact).
 inline void DecodeBf16Rows(const uint16_t* p, int64_t rows, float* out) {
   typedef uint16_t u16v __attribute__((vector_size(2 * kLanes)));
@@ -197,6 +258,19 @@ void PanelProduct(const float* x, int64_t m, int64_t k, const void* panel, int b
     return;
   }
   const uint8_t* wq = static_cast<const uint8_t*>(panel);
+  if (kHalfTiles && m > kTileRows && m <= 6) {  // AVX2, 4-6 rows: two half-panel tiles, one decode in all
+    WithRows<6>(m, [&](auto mt) {
+      constexpr int MT = decltype(mt)::value;
+      if (bits == 4) {
+        DecodedHalfProduct<4, MT, 0>(x, k, wq, y, n);
+        DecodedHalfProduct<4, MT, 1>(x, k, wq, y, n);
+      } else {
+        DecodedHalfProduct<8, MT, 0>(x, k, wq, y, n);
+        DecodedHalfProduct<8, MT, 1>(x, k, wq, y, n);
+      }
+    });
+    return;
+  }
   if (m <= kInlineRows) {  // a decoding step or a small tree pass: no buffer
     for (int64_t m0 = 0; m0 < m; m0 += kTileRows) {
       WithRows(std::min<int64_t>(kTileRows, m - m0), [&](auto mt) {

@@ -148,7 +148,7 @@ void MatmulChecks() {
           ref[r * n + c] = acc;
         }
       const std::string name = "matmul bits=" + std::to_string(bits) + " k=" + std::to_string(k) + " n=" + std::to_string(n);
-      for (int64_t m : {1, 2, 3, 5, 8, 9, 19}) {
+      for (int64_t m : {1, 2, 3, 4, 5, 6, 8, 9, 19}) {
         const std::vector<float> y = Product(wt, x, m);
         const bool same = std::memcmp(y.data(), ref.data(), m * n * 4) == 0;
         Check(same, name + " m=" + std::to_string(m) + " equals the scalar fma chain bit for bit");
