@@ -418,6 +418,11 @@ def cmd_cpu_matmul(args: argparse.Namespace) -> int:
     print(f"{model.name}: {model.backend_line()}")
     for m, r in model.backend.get("ratios", {}).items():
         print(f"  {int(m):>3} rows: kernel {r:.2f}x XLA's dot speed (this model's matmuls, one step)")
+    if cpu_matmul.has_int8x():
+        screen = ("on" if model.cfg.screened_head else
+                  "off (the head has no 8-bit blocks, or HSDJAX_SCREENED_HEAD=0)" if cpu_matmul.screen_pays() else
+                  "off (measured no faster than the full head without VNNI; HSDJAX_SCREENED_HEAD=1 turns it on)")
+        print(f"greedy tokens of tree passes through the int8 screen of an 8-bit head: {screen}")
     return 0
 
 
