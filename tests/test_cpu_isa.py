@@ -111,7 +111,8 @@ def test_aarch64_build_under_emulation_gives_the_native_builds_bits(native):
 @pytest.mark.skipif(not X86, reason="x86-64 variants are for x86 machines")
 def test_the_x86_64_v3_library_decodes_speculatively_as_ar():
     """The whole library built for x86-64-v3 (what an AVX2 machine gets) under the model: speculative
-    decoding through the kernels equals `ar`, and a tree pass's logits equal one-token steps bit for bit."""
+    decoding through the kernels equals `ar` (float32, the int8 screen, int8x and int16x activations), and
+    a tree pass's logits equal one-token steps bit for bit."""
     if not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2 + FMA")
     _cxx()
@@ -126,6 +127,9 @@ def test_the_x86_64_v3_library_decodes_speculatively_as_ar():
                            "tests/test_cpu_matmul.py::test_speculative_decoding_through_the_kernel_equals_ar",
                            # (the float32 cache; the float16 one runs natively on AVX2 machines)
                            "tests/test_cpu_matmul.py::test_tree_pass_logits_are_bitwise_the_one_token_steps[None]",
-                           "tests/test_cpu_matmul.py::test_speculative_decoding_with_the_screened_head_equals_ar"],
+                           "tests/test_cpu_matmul.py::test_speculative_decoding_with_the_screened_head_equals_ar",
+                           # the pair tiles (int8x, int16x) under the model
+                           "tests/test_cpu_matmul.py::test_speculative_decoding_with_bf16x_int8x_or_int16x_activations_equals_ar[int8]",
+                           "tests/test_cpu_matmul.py::test_speculative_decoding_with_bf16x_int8x_or_int16x_activations_equals_ar[int16]"],
                           env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
