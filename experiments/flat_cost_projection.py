@@ -13,6 +13,7 @@ Counts, not times (independent of the machine's load). The drafter's sequential 
 printed beside it: where a drafter pass is latency-bound rather than arithmetic-bound, they are its cost.
 
     python experiments/flat_cost_projection.py [--trees 4/3/5,6/4/10,8/4/15] [--limit 2] [--max-new 128]
+        [--hsd-drafter PATH] [--shortlist 256]
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=2)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--questions", default=str(QUESTIONS))
+    ap.add_argument("--hsd-drafter", default=None, help="an `hsd` checkpoint instead of the shipped one")
     args = ap.parse_args()
     model = hsdjax.load_model(args.model)
     step = target_step_macs(model.cfg)
@@ -74,7 +76,7 @@ def main() -> None:
     for tree in args.trees.split(","):
         depth, width, budget = (int(x) for x in tree.split("/"))
         hsd, hparams = make_drafter("hsd", model, depth=depth, width=width, budget=budget,
-                                    shortlist=args.shortlist or None)
+                                    shortlist=args.shortlist or None, drafter=args.hsd_drafter)
         variants = [("hsd", dataclasses.replace(hsd, shortlist=0), hparams)]
         if args.shortlist:
             variants.append((f"hsd S={args.shortlist}", hsd, hparams))
