@@ -209,10 +209,10 @@ def make_target(args: argparse.Namespace) -> Target:
 
     from hsdjax.frontends.api import default_dtype, default_layer_loop, load_model
 
-    layer_loop = args.layer_loop or default_layer_loop()
     if not args.random_weights:
-        model = load_model(args.model, dtype=args.dtype, layer_loop=layer_loop, cache_dtype=args.kv_cache)
+        model = load_model(args.model, dtype=args.dtype, layer_loop=args.layer_loop, cache_dtype=args.kv_cache)
         return Target(model.name, model.cfg, model.params, False, model, model.fingerprint)
+    layer_loop = args.layer_loop or default_layer_loop(cpu_kernels=False)  # random weights: XLA's path
     from hsdjax.runtime.model import init_params, unstack_layers
 
     dtype = args.dtype or default_dtype()

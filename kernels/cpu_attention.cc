@@ -730,28 +730,34 @@ void TreeAttentionCore(Pool& pool, const float* q, const T* cache_k, const T* ca
   }
 }
 
+// The cache is [B, K, S, D] or a stack of caches over layers [L, B, K, S, D] of which `layer` is read in
+// place (the scanned layer loop passes the whole stack and its index).
 template <typename T, ffi::DataType DT>
 ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
                          ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
                          ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::S32> anc, ffi::Buffer<ffi::S32> depth,
-                         ffi::ResultBuffer<ffi::F32> out) {
+                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
-  auto kd = cache_k.dimensions();
+  auto full = cache_k.dimensions();
   auto nd = new_k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || qd[0] != kd[0] || nd[2] != kd[1] || qd[3] != kd[3] ||
-      nd[0] != qd[0] || nd[1] != qd[1] || nd[3] != qd[3] || qd[2] % nd[2] != 0 ||
+  const int64_t at = layer.element_count() == 1 ? hsdjax_simd::LayerOffset(full, 4, layer.typed_data()[0]) : -1;
+  const size_t r = full.size() == 5 ? 1 : 0;
+  const int64_t kd[4] = {full[r], full[r + 1], full[r + 2], full[r + 3]};
+  if (qd.size() != 4 || at < 0 || cache_v.dimensions().size() != full.size() || qd[0] != kd[0] || nd[2] != kd[1] ||
+      qd[3] != kd[3] || nd[0] != qd[0] || nd[1] != qd[1] || nd[3] != qd[3] || qd[2] % nd[2] != 0 ||
+      cache_v.element_count() != cache_k.element_count() ||
       static_cast<int64_t>(lens.element_count()) != qd[0] ||
       static_cast<int64_t>(anc.element_count()) != nd[0] * nd[1] * nd[1] ||
       static_cast<int64_t>(depth.element_count()) != nd[0] * nd[1]) {
     return ffi::Error::InvalidArgument(
-        "hsdjax tree attention: expects q [B, T, H, D], cache [B, K, S, D], lens [B], new [B, T, K, D], "
-        "anc [B, T, T], depth [B, T]");
+        "hsdjax tree attention: expects q [B, T, H, D], cache [(L,) B, K, S, D], lens [B], new [B, T, K, D], "
+        "anc [B, T, T], depth [B, T] and a layer in range");
   }
   const int64_t t_n = qd[1], d = qd[3];
   if (t_n > kChunk) return ffi::Error::InvalidArgument("hsdjax tree attention: at most 256 new tokens");
   if (d > 256) return ffi::Error::InvalidArgument("hsdjax tree attention: head size at most 256");
-  TreeAttentionCore<T>(pool, q.typed_data(), reinterpret_cast<const T*>(cache_k.typed_data()),
-                       reinterpret_cast<const T*>(cache_v.typed_data()), lens.typed_data(), new_k.typed_data(),
+  TreeAttentionCore<T>(pool, q.typed_data(), reinterpret_cast<const T*>(cache_k.typed_data()) + at,
+                       reinterpret_cast<const T*>(cache_v.typed_data()) + at, lens.typed_data(), new_k.typed_data(),
                        new_v.typed_data(), anc.typed_data(), depth.typed_data(), qd[0], t_n, qd[2], d, kd[1], kd[2],
                        out->typed_data());
   return ffi::Error::Success();
@@ -790,6 +796,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCacheAttentionF16, (CacheAttention<hsdjax_si
       .Arg<ffi::Buffer<ffi::S32>>()          \
       .Arg<ffi::Buffer<ffi::F32>>()          \
       .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
       .Arg<ffi::Buffer<ffi::S32>>()          \
       .Arg<ffi::Buffer<ffi::S32>>()          \
       .Ret<ffi::Buffer<ffi::F32>>()

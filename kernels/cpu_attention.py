@@ -67,13 +67,15 @@ def tree_paths(tree_mask: Bool[Array, "B T T"]) -> tuple[Int[Array, "B T T"], In
     return jnp.argmax(at, axis=2).astype(jnp.int32), depth
 
 
-def position_ordered_attention(q: Float[Array, "B T H D"], cache_k, cache_v, cache_len, new_k, new_v, tree_mask):
+def position_ordered_attention(q: Float[Array, "B T H D"], cache_k, cache_v, cache_len, new_k, new_v, tree_mask,
+                               layer: Int[Array, ""] | None = None):
     """Attention of T new tokens over the cache and their paths in one kernel call that walks keys by
     position (``cpu_attention.cc``: a token's result is bitwise the same in a one-token step and a tree
     pass). A float16 cache is read as it is (widened in the kernel; the model rounds the new tokens' keys
     and values to float16 first, so the property holds); any other dtype is converted to float32. The
     kernel reads q, the new keys and values in the layout the model has them and writes the output in
-    it ([B, T, heads, D]): no transposes around the call."""
+    it ([B, T, heads, D]): no transposes around the call. ``layer``: the caches are stacks over layers
+    ([L, B, K, S, D]) and the kernel reads this layer's in place (the scanned layer loop)."""
     b, t, h, d = q.shape
     anc, depth = tree_paths(tree_mask)
     half = cache_k.dtype == jnp.float16 and cache_v.dtype == jnp.float16
@@ -81,14 +83,19 @@ def position_ordered_attention(q: Float[Array, "B T H D"], cache_k, cache_v, cac
     call = jax.ffi.ffi_call(TREE_ATTENTION_F16_TARGET if half else TREE_ATTENTION_TARGET,
                             jax.ShapeDtypeStruct((b, t, h, d), jnp.float32), vmap_method="sequential")
     out = call((q * (d ** -0.5)).astype(jnp.float32), cache_k.astype(cache_dtype), cache_v.astype(cache_dtype),
-               cache_len.astype(jnp.int32), new_k.astype(jnp.float32), new_v.astype(jnp.float32), anc, depth)
+               cache_len.astype(jnp.int32), new_k.astype(jnp.float32), new_v.astype(jnp.float32), anc, depth,
+               jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32))
     return out.astype(q.dtype)
 
 
 def tree_attention_cpu(q: Float[Array, "B T H D"], cache_k, cache_v, cache_len, new_k: Float[Array, "B U K D"],
-                       new_v: Float[Array, "B U K D"], tree_mask: Bool[Array, "B T U"], **_: object):
-    """``tree_attention_reference`` through the kernel (see the module docstring)."""
+                       new_v: Float[Array, "B U K D"], tree_mask: Bool[Array, "B T U"],
+                       layer: Int[Array, ""] | None = None, **_: object):
+    """``tree_attention_reference`` through the kernel (see the module docstring); ``layer``: the caches
+    are stacks over layers and this layer's is read."""
     b, t, h, d = q.shape
-    if cache_k is None or cache_k.shape[2] == 0 or t > MAX_NEW_TOKENS:
+    if cache_k is None or cache_k.shape[-2] == 0 or t > MAX_NEW_TOKENS:
+        if cache_k is not None and layer is not None:
+            cache_k, cache_v = cache_k[layer], cache_v[layer]
         return tree_attention_reference(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask)
-    return position_ordered_attention(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask)
+    return position_ordered_attention(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, layer)

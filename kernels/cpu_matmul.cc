@@ -957,50 +957,60 @@ ffi::Error RunChunks(ffi::ThreadPool& pool, const Work& all) {
   return ffi::Error::Success();
 }
 
-// Float32 or bfloat16 panels [N/32, K, 32]: one row of 32 values per k, `bits` wide each.
+// Float32 or bfloat16 panels [N/32, K, 32] (or a stack of them over layers, [L, N/32, K, 32], and the
+// layer to read): one row of 32 values per k, `bits` wide each.
 template <ffi::DataType T>
 ffi::Error WidePanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> wp,
-                           ffi::ResultBuffer<ffi::F32> y, int bits, const char* bad_shape) {
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int bits,
+                           const char* bad_shape) {
   auto xd = x.dimensions();
   auto wd = wp.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || xd[1] != wd[1]) {
+  const int64_t at = layer.element_count() == 1 ? hsdjax_simd::LayerOffset(wd, 3, layer.typed_data()[0]) : -1;
+  if (xd.size() != 2 || at < 0 || wd[wd.size() - 1] != kPanel || xd[1] != wd[wd.size() - 2]) {
     return ffi::Error::InvalidArgument(bad_shape);
   }
-  const int64_t m = xd[0], k = xd[1], panels = wd[0];
-  return RunChunks(pool, Work{x.typed_data(), m, k, wp.untyped_data(), k * kPanel * (bits / 8), bits, 0, panels,
-                              y->typed_data(), panels * kPanel});
+  const int64_t m = xd[0], k = xd[1], panels = wd[wd.size() - 3];
+  const auto* w = static_cast<const uint8_t*>(wp.untyped_data()) + at * (bits / 8);
+  return RunChunks(pool, Work{x.typed_data(), m, k, w, k * kPanel * (bits / 8), bits, 0, panels, y->typed_data(),
+                              panels * kPanel});
 }
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  return WidePanelMatmul(pool, x, wp, y, 32, "hsdjax panel matmul: expects x [M, K] and panels [N/32, K, 32]");
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return WidePanelMatmul(pool, x, wp, layer, y, 32,
+                         "hsdjax panel matmul: expects x [M, K], panels [(L,) N/32, K, 32] and a layer in range");
 }
 
 ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> wb,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  return WidePanelMatmul(pool, x, wb, y, 16, "hsdjax bfloat16 matmul: expects x [M, K] and panels [N/32, K, 32]");
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return WidePanelMatmul(pool, x, wb, layer, y, 16,
+                         "hsdjax bfloat16 matmul: expects x [M, K], panels [(L,) N/32, K, 32] and a layer in range");
 }
 
 enum class Activations { kFloat32, kBf16, kInt8, kInt16 };
 
+// Compressed panels [N/32, K/L, B] (or a stack of them over layers, [L, N/32, K/L, B], and the layer to read).
 ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& wq,
-                      ffi::ResultBuffer<ffi::F32>& y, Activations act) {
+                      ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& y, Activations act) {
   auto xd = x.dimensions();
   auto wd = wq.dimensions();
-  if (xd.size() != 2 || wd.size() != 3) {
-    return ffi::Error::InvalidArgument("hsdjax compressed matmul: expects x [M, K] and panels [N/32, K/L, B]");
+  const int64_t at = layer.element_count() == 1 ? hsdjax_simd::LayerOffset(wd, 3, layer.typed_data()[0]) : -1;
+  if (xd.size() != 2 || at < 0) {
+    return ffi::Error::InvalidArgument(
+        "hsdjax compressed matmul: expects x [M, K], panels [(L,) N/32, K/L, B] and a layer in range");
   }
-  const int64_t m = xd[0], k = xd[1], panels = wd[0], block = wd[2];
+  const size_t r = wd.size() - 3;  // 1 for a stack over layers
+  const int64_t m = xd[0], k = xd[1], panels = wd[r], blocks = wd[r + 1], block = wd[r + 2];
   int bits;
-  if (block == Format<4>::kBlockBytes && k == wd[1] * Format<4>::kRows) {
+  if (block == Format<4>::kBlockBytes && k == blocks * Format<4>::kRows) {
     bits = 4;
-  } else if (block == Format<8>::kBlockBytes && k == wd[1] * Format<8>::kRows) {
+  } else if (block == Format<8>::kBlockBytes && k == blocks * Format<8>::kRows) {
     bits = 8;
   } else {
     return ffi::Error::InvalidArgument("hsdjax compressed matmul: blocks are 768 bytes per 32 k (4-bit) "
                                        "or 640 per 16 (8-bit)");
   }
-  Work all{x.typed_data(), m, k, wq.typed_data(), wd[1] * block, bits, 0, panels, y->typed_data(),
+  Work all{x.typed_data(), m, k, wq.typed_data() + at, blocks * block, bits, 0, panels, y->typed_data(),
            panels * kPanel};
   std::unique_ptr<uint32_t[]> xb, xw;
   std::unique_ptr<float[]> xs, sq;
@@ -1045,23 +1055,23 @@ ffi::Error Compressed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buff
 }
 
 ffi::Error CompressedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
-                            ffi::ResultBuffer<ffi::F32> y) {
-  return Compressed(pool, x, wq, y, Activations::kFloat32);
+                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Compressed(pool, x, wq, layer, y, Activations::kFloat32);
 }
 
 ffi::Error CompressedMatmulBf16x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
-                                 ffi::ResultBuffer<ffi::F32> y) {
-  return Compressed(pool, x, wq, y, Activations::kBf16);
+                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Compressed(pool, x, wq, layer, y, Activations::kBf16);
 }
 
 ffi::Error CompressedMatmulInt8x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
-                                 ffi::ResultBuffer<ffi::F32> y) {
-  return Compressed(pool, x, wq, y, Activations::kInt8);
+                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Compressed(pool, x, wq, layer, y, Activations::kInt8);
 }
 
 ffi::Error CompressedMatmulInt16x(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
-                                  ffi::ResultBuffer<ffi::F32> y) {
-  return Compressed(pool, x, wq, y, Activations::kInt16);
+                                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Compressed(pool, x, wq, layer, y, Activations::kInt16);
 }
 
 // The first index of the largest of 32 x n_panels values (argmax: the first NaN wins if there is one).
@@ -1178,6 +1188,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxPanelMatmul, PanelMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the layer of a stacked weight (0: unstacked)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxBf16Matmul, Bf16Matmul,
@@ -1185,6 +1196,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxBf16Matmul, Bf16Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the layer of a stacked weight (0: unstacked)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmul, CompressedMatmul,
@@ -1192,6 +1204,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmul, CompressedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the layer of a stacked weight (0: unstacked)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulBf16x, CompressedMatmulBf16x,
@@ -1199,6 +1212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulBf16x, CompressedMatmulBf16x
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the layer of a stacked weight (0: unstacked)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulInt8x, CompressedMatmulInt8x,
@@ -1206,6 +1220,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulInt8x, CompressedMatmulInt8x
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the layer of a stacked weight (0: unstacked)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulInt16x, CompressedMatmulInt16x,
@@ -1213,6 +1228,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxCompressedMatmulInt16x, CompressedMatmulInt1
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the layer of a stacked weight (0: unstacked)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HsdjaxScreenedArgmax, ScreenedArgmax,

@@ -453,12 +453,16 @@ def quantize_activations(x: Float[Array, "... K"], levels: int = 127) -> Float[A
     return (q * (amax / jnp.float32(levels))).reshape(x.shape)
 
 
-def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str = "float32") -> Float[Array, "... N"]:
+def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str = "float32",
+                           layer: Int[Array, ""] | None = None) -> Float[Array, "... N"]:
     """``x @ unpack(wp)`` in jnp (the reference the kernel is tested against); ``activations="bfloat16"``
     with 4-bit panels: x rounded to bfloat16 first (what the bf16x products compute, up to float32
     rounding; 8-bit panels keep the float32 products); ``"int8"``: x quantized per 32 k
     (``quantize_activations``, what the int8x products compute for 4-bit and 8-bit panels alike);
-    ``"int16"``: 4-bit panels, x quantized to int16 per 32 k (int16x; 8-bit panels keep the float32 products)."""
+    ``"int16"``: 4-bit panels, x quantized to int16 per 32 k (int16x; 8-bit panels keep the float32 products).
+    ``layer``: ``wp`` is a stack over layers and this layer's panels are used."""
+    if layer is not None:
+        wp = wp[layer]
     if activations == "bfloat16" and is_compressed(wp) and compressed_bits(wp) == 4:
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     if activations == "int8" and is_compressed(wp) and x.shape[-1] % 32 == 0:
@@ -486,7 +490,8 @@ def rows_per_call(k: int) -> int:
 
 
 
-def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32") -> Float[Array, "... N"]:
+def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32",
+                 layer: Int[Array, ""] | None = None) -> Float[Array, "... N"]:
     """``x @ unpack(wp)`` through the kernel, float32, bfloat16 or compressed panels (call ``load`` first).
 
     ``activations="bfloat16"`` (4-bit compressed panels; ``load_model(cpu_matmul="bf16x")``): x rounded
@@ -495,27 +500,31 @@ def panel_matmul(x: Float[Array, "... K"], wp: Any, activations: str = "float32"
     the float32 products. ``"int8"`` (``cpu_matmul="int8x"``): x quantized to int8 per 32 k and
     multiplied with AVX512-VNNI (four k per instruction) by 4-bit and 8-bit panels (K a multiple of 32),
     coarser still, same for every M too. ``"int16"`` (``cpu_matmul="int16x"``, 4-bit panels): x quantized
-    to int16 per 32 k, two k per VNNI instruction, within ~1e-5 of the float32 products, same for every M."""
+    to int16 per 32 k, two k per VNNI instruction, within ~1e-5 of the float32 products, same for every M.
+
+    ``layer``: ``wp`` is a stack of panels over layers ([L, ...]) and the kernel reads this layer's in
+    place (the scanned layer loop: nothing is copied out of the stack)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for s in lead:
         rows *= s
-    n = wp.shape[0] * PANEL
+    n = wp.shape[-3] * PANEL
     block = rows_per_call(k)
     if rows > block:  # a prompt chunk: row blocks whose activations stay in a core's L2 (same outputs)
         flat = x.reshape(rows, k)
-        parts = [panel_matmul(flat[r:r + block], wp, activations) for r in range(0, rows, block)]
+        parts = [panel_matmul(flat[r:r + block], wp, activations, layer) for r in range(0, rows, block)]
         return jnp.concatenate(parts).reshape(*lead, n)
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    at = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     if is_compressed(wp):
         name = {"bfloat16": COMPRESSED_BF16X_TARGET, "int8": COMPRESSED_INT8X_TARGET,
                 "int16": COMPRESSED_INT16X_TARGET}.get(activations, COMPRESSED_TARGET)
-        y = jax.ffi.ffi_call(name, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
+        y = jax.ffi.ffi_call(name, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp, at)
     elif is_bf16(wp):
-        y = jax.ffi.ffi_call(BF16_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp)
+        y = jax.ffi.ffi_call(BF16_TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32), wp, at)
     else:
         y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x.reshape(rows, k).astype(jnp.float32),
-                                                                   wp.astype(jnp.float32))
+                                                                   wp.astype(jnp.float32), at)
     return y.reshape(*lead, n)
 
 

@@ -196,4 +196,17 @@ inline void CpuRelax() {
 #endif
 }
 
+// The element offset of the operand a kernel call reads inside a stack over layers: an operand of
+// `rank` dimensions is read whole (layer must be 0); one of rank + 1 is [L, ...] and its slice `layer`
+// is read in place (the scanned layer loop passes the whole stack and the loop's index, so XLA copies
+// nothing out of it). -1: neither rank, or the layer out of range.
+template <typename Dims>
+inline int64_t LayerOffset(const Dims& dims, size_t rank, int64_t layer) {
+  if (dims.size() == rank) return layer == 0 ? 0 : -1;
+  if (dims.size() != rank + 1 || layer < 0 || layer >= dims[0]) return -1;
+  int64_t per_layer = 1;
+  for (size_t i = 1; i < dims.size(); ++i) per_layer *= dims[i];
+  return layer * per_layer;
+}
+
 }  // namespace hsdjax_simd

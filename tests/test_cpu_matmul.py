@@ -697,3 +697,107 @@ def test_the_measured_default_times_the_models_own_matmuls(kernel):
     assert set(first["ratios"]) == {str(m) for m in cpu_matmul.MEASURED_ROWS}
     assert all(t["kernel_s"] > 0 and t["xla_s"] > 0 for t in first["timings"].values())
     assert cpu_matmul.measured_verdict(packed, params) == first
+
+
+# ------------------------------------------------------------------------------ stacks read at a layer
+
+
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "4-bit", "8-bit"])
+def test_a_stacked_weight_is_read_in_place_at_its_layer(kernel, form):
+    """The scanned layer loop passes a whole [L, ...] stack of panels and the layer index: each layer's
+    product is bitwise the product of that layer's own panels, whatever the index (traced under a scan);
+    an index outside the stack is an error, never a read past it."""
+    rng = np.random.default_rng(11)
+    k, n, layers = 64, 96, 3
+    if form in ("4-bit", "8-bit"):
+        ws = [block_quantized(rng, k, n, int(form[0])) for _ in range(layers)]
+        stack = jnp.stack([cpu_matmul.compress_weight(jnp.asarray(w)) for w in ws])
+        assert cpu_matmul.is_compressed(stack) and cpu_matmul.compressed_bits(stack) == int(form[0])
+    elif form == "bfloat16":
+        stack = jnp.stack([cpu_matmul.pack(jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16))
+                           for _ in range(layers)])
+    else:
+        stack = jnp.stack([cpu_matmul.pack(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
+                           for _ in range(layers)])
+    x = jnp.asarray(rng.standard_normal((5, k)), jnp.float32)
+    one = jax.jit(cpu_matmul.panel_matmul)
+    want = np.stack([np.asarray(one(x, stack[i])) for i in range(layers)])
+
+    def body(carry, i):
+        return carry, cpu_matmul.panel_matmul(x, stack, layer=i)
+
+    _, got = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32)))()
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_allclose(want[1], np.asarray(cpu_matmul.panel_matmul_reference(x, stack, layer=1)),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="layer in range"):
+        jax.block_until_ready(jax.jit(cpu_matmul.panel_matmul)(x, stack, layer=jnp.int32(layers)))
+
+
+@pytest.mark.parametrize("cache", ["float32", "float16"])
+def test_a_stacked_cache_is_attended_in_place_at_its_layer(kernel, cache):
+    from hsdjax.kernels.cpu_attention import tree_attention_cpu
+
+    rng = np.random.default_rng(5)
+    layers, b, t, kh, g, d, s = 3, 2, 4, 2, 2, 32, 300
+    q = jnp.asarray(rng.standard_normal((b, t, kh * g, d), np.float32))
+    ck, cv = (jnp.asarray(rng.standard_normal((layers, b, kh, s, d), np.float32), cache) for _ in range(2))
+    nk, nv = (jnp.asarray(rng.standard_normal((b, t, kh, d), np.float32)) for _ in range(2))
+    mask = jnp.asarray(np.stack([path_mask([-1, 0, 0, 1])] * b))
+    lens = jnp.asarray([257, 40], jnp.int32)
+    run = jax.jit(tree_attention_cpu)
+    for i in range(layers):
+        want = run(q, ck[i], cv[i], lens, nk, nv, mask)
+        got = run(q, ck, cv, lens, nk, nv, mask, layer=jnp.int32(i))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(Exception, match="layer in range"):
+        jax.block_until_ready(run(q, ck, cv, lens, nk, nv, mask, layer=jnp.int32(-1)))
+
+
+def test_the_scanned_kernel_model_equals_the_unrolled_one(kernel):
+    """Stacked packed layers under the scan over the layer index (the kernels read each layer in place)
+    give the unrolled loop's logits (up to float32 rounding: XLA fuses the elementwise work of the two
+    programs differently), and `pld` over them gives their own `ar`'s tokens."""
+    from hsdjax.runtime.model import unstack_layers
+
+    cfg = PANEL_LLAMA.replace(backend="cpu-kernel")
+    packed = cpu_matmul.pack_params(init_params(PANEL_LLAMA, seed=8), True)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    mask = causal_mask(jnp.array([9, 6]), 9)
+
+    def logits(c, p):
+        model = Transformer(c)
+        out = model.apply({"params": p}, tokens, pos, mask)
+        return np.asarray(model.apply({"params": p}, out["hidden"], method=Transformer.logits))
+
+    unrolled = unstack_layers(packed)
+    np.testing.assert_allclose(logits(cfg, packed), logits(cfg.replace(scan_layers=False), unrolled),
+                               rtol=1e-5, atol=1e-6)
+    rng = np.random.default_rng(4)
+    motif = rng.integers(0, cfg.vocab_size, 5).tolist()
+    prompts = [motif * 3 + rng.integers(0, cfg.vocab_size, 3).tolist(), rng.integers(0, cfg.vocab_size, 7).tolist()]
+    want = run_engine(cfg, packed, prompts, 20)
+    assert run_engine(cfg, packed, prompts, 20, drafter=PromptLookupDrafter(width=2, depth=4)) == want
+
+
+def test_the_scanned_kernel_decode_copies_no_stack(kernel):
+    """The compiled decode loop of the scanned kernel model at batch 2 holds no copy of a KV-cache stack
+    or a weight stack (a vmap over the batch axis of the stacks once made XLA keep them batch-major and
+    copy both whole every round: 5x slower rounds)."""
+    from hsdjax.core import engine
+    from hsdjax.core.sampling import SamplingParams
+    from tests.test_decode_hlo import COPY
+
+    plain = PANEL_LLAMA.replace(num_layers=3)
+    cfg = plain.replace(backend="cpu-kernel")
+    params = cpu_matmul.pack_params(init_params(plain, seed=1), True)
+    drafter, cache, batch = PromptLookupDrafter(width=2, depth=3), 256, 2
+    gen, fwd = engine.prefill(params, jnp.ones((batch, 16), jnp.int32), jnp.full((batch,), 5), jnp.full((batch,), 20),
+                              SamplingParams.make(batch), jax.vmap(jax.random.PRNGKey)(jnp.arange(batch)),
+                              engine.stop_array(()), cfg=cfg, cache_size=cache, spare=drafter.spare)
+    state = engine.start_decoding((), gen, fwd, drafter=drafter)
+    hlo = engine.decode.lower(params, (), state, jnp.int32(3), cfg=cfg, drafter=drafter).compile().as_text()
+    layer = batch * cfg.num_kv_heads * cache * cfg.head_dim
+    big = [m.group(1) for m in COPY.finditer(hlo) if np.prod([int(x) for x in m.group(1).split(",") if x] or [1]) >= layer]
+    assert not big, big

@@ -24,7 +24,7 @@ from hsdjax.kernels import cpu_matmul as cpu_matmul_kernel
 from hsdjax.paths import cache_dir
 from hsdjax.runtime import registry, sharding
 from hsdjax.runtime.config import ModelConfig, resolve_backend
-from hsdjax.runtime.model import fuse_projections, unstack_layers
+from hsdjax.runtime.model import fuse_projections, stack_uniform_layers, unstack_layers
 from hsdjax.runtime.tokenizer import Tokenizer
 from hsdjax.runtime.weights import gguf_block_scales, load_weights
 
@@ -81,15 +81,16 @@ def _fingerprint(source: registry.ModelSource) -> str:
     return digest.hexdigest()
 
 
-def default_layer_loop() -> str:
-    """``unrolled`` on CPU, ``scan`` on GPU/TPU.
+def default_layer_loop(cpu_kernels: bool = True) -> str:
+    """``scan`` (stacked weights under ``lax.scan``), except ``unrolled`` on XLA's own CPU path.
 
     Under ``lax.scan`` XLA's CPU backend copies each layer's weights out of the stacked arrays before
     its matmuls, which triples memory traffic once a layer outgrows the caches (Qwen2.5-Coder-1.5B
-    decodes 2.2x faster unrolled; SmolLM2-135M is unaffected). Unrolled layers compile in ~10 s
-    instead of ~1 s, once: JAX's persistent compilation cache keeps the result.
+    decodes 2.2x faster unrolled on XLA's path). hsdjax's CPU kernels take the whole stacks and the
+    layer index and read in place, so with them the scan decodes as fast as the unrolled loop, compiles
+    ~3x faster and each compiled program holds ~6x less memory (``experiments/layer_loop_memory.py``).
     """
-    return "unrolled" if jax.default_backend() == "cpu" else "scan"
+    return "unrolled" if jax.default_backend() == "cpu" and not cpu_kernels else "scan"
 
 
 CPU_MATMUL_SETTINGS = ("auto", "on", "off", "float32", "bf16x", "int8x", "int16x")
@@ -200,7 +201,9 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     2026-12-04); separate otherwise (on XLA's own CPU dot the fused form was 3-5% slower for trees).
 
     ``layer_loop`` is ``scan`` (stacked weights under ``lax.scan``) or ``unrolled`` (per-layer weights);
-    default: see ``default_layer_loop``. ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, a
+    default: see ``default_layer_loop``. With the CPU kernels the weights are packed per layer (a GGUF
+    may store a projection in different formats in different layers) and stacked after packing where
+    every layer's are stored alike; else the layers stay unrolled (``backend["layers"]`` says why). ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, a
     dict of axis sizes or a string like ``"data=1,model=8"``) shards the params tensor-parallel (see
     ``hsdjax.runtime.sharding``); None keeps them on one device.
 
@@ -233,8 +236,7 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     if screened_head is None:  # on by default where it was measured to pay (VNNI builds)
         setting = os.environ.get("HSDJAX_SCREENED_HEAD", "")
         screened_head = setting == "1" or (setting != "0" and cpu_matmul_kernel.screen_pays())
-    layer_loop = layer_loop or default_layer_loop()
-    if layer_loop not in ("scan", "unrolled"):
+    if layer_loop not in (None, "scan", "unrolled"):
         raise HsdjaxError(f"layer_loop must be 'scan' or 'unrolled' (got {layer_loop!r})")
     enable_compilation_cache()
     source = registry.resolve(name_or_path or registry.default_model())
@@ -244,13 +246,14 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     if cache_dtype not in (None, dtype) and jax.default_backend() != "cpu":
         raise HsdjaxError(f"--kv-cache {cache_dtype} is for CPU runs; on {jax.default_backend()} the cache is "
                           f"stored in the compute dtype ({dtype}), which the attention kernels read")
-    cfg = cfg.replace(dtype=dtype, scan_layers=layer_loop == "scan", cache_dtype=cache_dtype)
+    cfg = cfg.replace(dtype=dtype, cache_dtype=cache_dtype)
     t0 = time.perf_counter()
     if fused_projections and mesh is not None:
         raise HsdjaxError("fused_projections needs an unsharded model (a split over heads keeps them apart)")
     use_kernels = use_cpu_matmul(cpu_matmul, cfg, mesh)
-    if layer_loop == "unrolled":
+    if use_kernels or (layer_loop or default_layer_loop(False)) == "unrolled":  # kernels: packed per layer
         np_params = unstack_layers(np_params)  # numpy views: no copy
+    cfg = cfg.replace(scan_layers="layers" in np_params)
     as_array = jnp.asarray if mesh is None else np.asarray  # sharded: straight from host to each device
     params = _convert_popping(np_params, lambda a: as_array(a, dtype=jnp.dtype(dtype)))
     del np_params
@@ -287,6 +290,12 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
             cfg = cfg.replace(screened_head=True)
     if not use_kernels:  # the one backend setting, resolved here: the Pallas kernel on GPU / TPU, else XLA's
         cfg = cfg.replace(backend=resolve_backend("auto"))
+    if (layer_loop or default_layer_loop(use_kernels)) == "scan" and not cfg.scan_layers:
+        stacked = stack_uniform_layers(params)
+        if stacked is None:
+            backend = dict(backend, layers="unrolled: the layers' weights are stored in different formats")
+        else:
+            params, cfg = stacked, cfg.replace(scan_layers=True)
     params = sharding.shard_params(cfg, params, mesh)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path)

@@ -93,9 +93,12 @@ def write_path(cache: KVCache, k_sel: Float[Array, "L B A K D"], v_sel: Float[Ar
         write_rows = jax.vmap(write, in_axes=(0, 0, 0))
         k = tuple(write_rows(c, k_sel[i], cache.length) for i, c in enumerate(cache.k))
         v = tuple(write_rows(c, v_sel[i], cache.length) for i, c in enumerate(cache.v))
-    else:
-        write_rows = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)
-        k, v = write_rows(cache.k, k_sel, cache.length), write_rows(cache.v, v_sel, cache.length)
+    else:  # one update per row, in place: a vmap over the batch axis (axis 1) made XLA keep the stacks
+        k, v = cache.k, cache.v  # batch-major, and copy both whole to the kernels' layout every round
+        for b in range(k.shape[1]):
+            at = (0, b, 0, cache.length[b], 0)
+            k = jax.lax.dynamic_update_slice(k, k_sel[:, b:b + 1].astype(k.dtype), at)
+            v = jax.lax.dynamic_update_slice(v, v_sel[:, b:b + 1].astype(v.dtype), at)
     return KVCache(k=k, v=v, length=cache.length + n_keep.astype(jnp.int32))
 
 
@@ -166,14 +169,16 @@ def attention_for(backend: str) -> Any:
     return tree_attention_cpu if backend == "cpu-kernel" else attention_fn(backend)
 
 
-def kernel_matmul(cfg: ModelConfig, h: Float[Array, "... T K"], wp: Any) -> Float[Array, "... T N"]:
+def kernel_matmul(cfg: ModelConfig, h: Float[Array, "... T K"], wp: Any,
+                  layer: Int[Array, ""] | None = None) -> Float[Array, "... T N"]:
     """``h @ W`` for weights packed for the CPU kernel (``cpu_matmul.pack_params``): through the kernel,
     or, for a prompt chunk where ``cfg.cpu_matmul_prefill_xla`` (measured faster), through XLA's dot on
     the decoded weights. Decoding steps and tree passes (at most ``MAX_NEW_TOKENS`` new tokens per row)
-    always take the kernel, so a tree pass computes what one-token steps compute."""
+    always take the kernel, so a tree pass computes what one-token steps compute. ``layer``: ``wp`` is the
+    stack over layers and the kernel reads that layer's panels in place."""
     if cfg.cpu_matmul_prefill_xla and h.ndim >= 2 and h.shape[-2] > MAX_NEW_TOKENS:
-        return panel_matmul_reference(h, wp, cfg.cpu_matmul_activations)
-    return panel_matmul(h, wp, cfg.cpu_matmul_activations)
+        return panel_matmul_reference(h, wp, cfg.cpu_matmul_activations, layer)
+    return panel_matmul(h, wp, cfg.cpu_matmul_activations, layer)
 
 
 def _dense_init(scale: float = 0.02):
@@ -181,12 +186,15 @@ def _dense_init(scale: float = 0.02):
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: RMSNorm -> GQA attention (RoPE) -> RMSNorm -> SwiGLU MLP."""
+    """One pre-norm decoder layer: RMSNorm -> GQA attention (RoPE) -> RMSNorm -> SwiGLU MLP.
+
+    ``layer`` (the CPU kernels' scanned loop): the params and caches are the whole stacks over layers and
+    this is the layer to run; the kernels read its weights and cache in place, small params are indexed."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, cache_k, cache_v, cos, sin, cache_len, new_mask):
+    def __call__(self, x, cache_k, cache_v, cos, sin, cache_len, new_mask, layer=None):
         cfg = self.cfg
         backend = cfg.resolved_backend
         e, d = cfg.hidden_size, cfg.head_dim
@@ -194,12 +202,14 @@ class Block(nn.Module):
         dt = jnp.dtype(cfg.dtype)
 
         def p(name, shape, init=_dense_init()):
+            if layer is not None:
+                return self.get_variable("params", name)[layer].astype(dt)
             return self.param(name, init, shape, jnp.float32).astype(dt)
 
         def dense(h, name, k_in, n_out):  # h @ W[k_in, n_out] (stored as panels for the CPU kernels)
             if backend == "cpu-kernel":  # float32 or compressed panels (``cpu_matmul.pack_params``)
                 if self.has_variable("params", name):
-                    return kernel_matmul(cfg, h, self.get_variable("params", name))
+                    return kernel_matmul(cfg, h, self.get_variable("params", name), layer)
                 return kernel_matmul(cfg, h, p(name, (n_out // PANEL, k_in, PANEL)))
             return h @ p(name, (k_in, n_out))
 
@@ -221,7 +231,11 @@ class Block(nn.Module):
         v = v.reshape(b, t, cfg.num_kv_heads, d)
         if cfg.cache_dtype and cfg.cache_dtype != cfg.dtype:  # the new tokens as the cache will hold them, so
             k, v = (a.astype(cfg.cache_dtype).astype(a.dtype) for a in (k, v))  # a tree sees what `ar` reads
-        attn = attention_for(backend)(q, cache_k, cache_v, cache_len, k, v, new_mask)
+        attend = attention_for(backend)
+        if layer is not None:
+            attn = attend(q, cache_k, cache_v, cache_len, k, v, new_mask, layer=layer)
+        else:
+            attn = attend(q, cache_k, cache_v, cache_len, k, v, new_mask)
         x = x + dense(attn.reshape(b, t, hq), "wo", hq, e)
 
         h = rms_norm(x, p("mlp_norm", (e,), nn.initializers.ones), cfg.rms_norm_eps)
@@ -248,7 +262,18 @@ class Transformer(nn.Module):
             self.lm_head = self.param("lm_head", _dense_init(), (cfg.hidden_size, cfg.vocab_size), jnp.float32)
         if cfg.resolved_backend == "cpu-kernel" and self.is_initializing():  # the head packed (``pack_params``)
             self.param("head_panels", _dense_init(), (cfg.vocab_size // PANEL, cfg.hidden_size, PANEL), jnp.float32)
-        if cfg.scan_layers:
+        if self.indexed_layers():
+            # the kernels read each layer's weights and cache out of the stacks in place: the stacks are
+            # broadcast to every step and the layer index is scanned (slicing them, as below, made XLA
+            # copy each layer's weights and cache before the custom calls: 2.5x slower decoding)
+            self.layers = nn.scan(
+                Block,
+                variable_broadcast="params",
+                split_rngs={"params": False},
+                in_axes=(nn.broadcast,) * 6 + (0,),
+                length=cfg.num_layers,
+            )(cfg)
+        elif cfg.scan_layers:
             self.layers = nn.scan(
                 Block,
                 variable_axes={"params": 0},
@@ -258,6 +283,11 @@ class Transformer(nn.Module):
             )(cfg)
         else:
             self.blocks = [Block(cfg) for _ in range(cfg.num_layers)]
+
+    def indexed_layers(self) -> bool:
+        """Whether the layers run as a scan over the layer index with the stacks broadcast (stacked
+        layers through the CPU kernels; not while initializing, which creates the stacked params)."""
+        return self.cfg.scan_layers and self.cfg.resolved_backend == "cpu-kernel" and not self.is_initializing()
 
     def __call__(
         self,
@@ -283,7 +313,10 @@ class Transformer(nn.Module):
             cache_k = cache_v = cache_len = None
         else:
             cache_k, cache_v, cache_len = cache.k, cache.v, cache.length
-        if cfg.scan_layers:
+        if self.indexed_layers():
+            index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            out, (k, v, layer_inputs) = self.layers(x, cache_k, cache_v, cos, sin, cache_len, new_mask, index)
+        elif cfg.scan_layers:
             out, (k, v, layer_inputs) = self.layers(x, cache_k, cache_v, cos, sin, cache_len, new_mask)
         else:
             out, per_layer = x, []
@@ -400,3 +433,14 @@ def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
     out["layers"] = {name: jnp.stack([params[b][name] for b in blocks]) for name in params[blocks[0]]}
     return out
+
+
+def stack_uniform_layers(params: dict[str, Any]) -> dict[str, Any] | None:
+    """``stack_layers`` where every layer stores each weight alike (shape and dtype: the same packed
+    format), else None (a GGUF may keep, say, some layers' down projections in Q6_K and others in Q4_K,
+    whose compressed panels cannot share one array)."""
+    blocks = [params[k] for k in params if k.startswith("blocks_")]
+    for name in blocks[0] if blocks else ():
+        if len({(b[name].shape, jnp.dtype(b[name].dtype)) for b in blocks}) != 1:
+            return None
+    return stack_layers(params)
