@@ -306,22 +306,23 @@ def test_a_subset_of_columns_compresses_with_the_weights_own_scales(kernel, bits
     assert cpu_matmul.compress_columns(wq, ids, jnp.asarray(other)) is None
 
 
+def tiny_logits(cfg, params, t: int, short: int) -> np.ndarray:
+    """The logits of two random rows of t tokens (the second padded after ``short``), one causal pass."""
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, t)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+    model = Transformer(cfg)
+    out = model.apply({"params": params}, tokens, pos, causal_mask(jnp.array([t, short]), t))
+    return np.asarray(model.apply({"params": params}, out["hidden"], method=Transformer.logits))
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_model_equals_the_unpacked_one(kernel, tied):
     cfg = PANEL_LLAMA.replace(tie_embeddings=tied)
     params = init_params(cfg, seed=3)
     packed_cfg = cfg.replace(backend="cpu-kernel")
     packed = cpu_matmul.pack_params(params, tied)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
-    mask = causal_mask(jnp.array([11, 7]), 11)
-
-    def logits(c, p):
-        model = Transformer(c)
-        out = model.apply({"params": p}, tokens, pos, mask)
-        return np.asarray(model.apply({"params": p}, out["hidden"], method=Transformer.logits))
-
-    np.testing.assert_allclose(logits(packed_cfg, packed), logits(cfg, params), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(tiny_logits(packed_cfg, packed, 11, 7), tiny_logits(cfg, params, 11, 7),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_speculative_decoding_through_the_kernel_equals_ar(kernel):
@@ -762,17 +763,8 @@ def test_the_scanned_kernel_model_equals_the_unrolled_one(kernel):
 
     cfg = PANEL_LLAMA.replace(backend="cpu-kernel")
     packed = cpu_matmul.pack_params(init_params(PANEL_LLAMA, seed=8), True)
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
-    mask = causal_mask(jnp.array([9, 6]), 9)
-
-    def logits(c, p):
-        model = Transformer(c)
-        out = model.apply({"params": p}, tokens, pos, mask)
-        return np.asarray(model.apply({"params": p}, out["hidden"], method=Transformer.logits))
-
     unrolled = unstack_layers(packed)
-    np.testing.assert_allclose(logits(cfg, packed), logits(cfg.replace(scan_layers=False), unrolled),
+    np.testing.assert_allclose(tiny_logits(cfg, packed, 9, 6), tiny_logits(cfg.replace(scan_layers=False), unrolled, 9, 6),
                                rtol=1e-5, atol=1e-6)
     rng = np.random.default_rng(4)
     motif = rng.integers(0, cfg.vocab_size, 5).tolist()
