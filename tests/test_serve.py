@@ -198,6 +198,7 @@ def test_speculative_programs_only_where_rows_speculate(smollm, limit, max_batch
 def test_insert_and_take_rows_keep_each_row_exact(method):
     """Continuous batching at the engine level: rows prefilled separately, inserted into a running
     state mid-generation, the batch grown and shrunk: every row's tokens equal its own run."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -233,6 +234,10 @@ def test_insert_and_take_rows_keep_each_row_exact(method):
     assert np.asarray(state.gen.done).tolist() == [True, False, True, True]
     state = engine.insert_rows(state, prefill(prompts[1]), jnp.array([3]))
     state = step(state, 3)
+    grown = engine.grow_rows(state, 6)  # growing by concatenation: take_rows' rows -1 appended
+    for a, b in zip(jax.tree_util.tree_leaves(grown), jax.tree_util.tree_leaves(
+            engine.take_rows(state, jnp.array([0, 1, 2, 3, -1, -1])))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     state = engine.insert_rows(state, prefill(prompts[2]), jnp.array([0]))
     state = step(state, 2)
     state = engine.take_rows(state, jnp.array([3, 0, 1, -1]))  # reorder, drop the empty row

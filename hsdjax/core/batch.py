@@ -74,9 +74,7 @@ class RowPool(Generic[T]):
 
     def _grow(self, size: int) -> None:
         """The running rows stay where they are; rows ``self.size ..`` are new and free."""
-        rows = np.arange(size, dtype=np.int32)
-        rows[self.size:] = -1
-        self.state = engine.take_rows(self.state, jnp.asarray(rows))
+        self.state = engine.grow_rows(self.state, size)
         self.slots += [None] * (size - self.size)
 
     def release(self, i: int) -> T | None:

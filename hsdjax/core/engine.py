@@ -590,6 +590,25 @@ def take_rows(state: DecodeState, rows: Int[Array, " N"]) -> DecodeState:
     return out.replace(gen=out.gen.replace(done=out.gen.done | ~valid))
 
 
+@partial(jax.jit, static_argnames=("size",))
+def grow_rows(state: DecodeState, size: int) -> DecodeState:
+    """``take_rows(state, [0, 1, .., B - 1, -1, ..])``: the running rows where they are and ``size - B``
+    free (``done``) rows after them, as concatenations, which XLA's CPU backend runs at copy speed (the
+    gather of ``take_rows`` over the stacked KV caches took 221 ms against 137 for SmolLM2's 8 rows x
+    1,024 positions, growing to 9: a running stream's longest wait when a request joins a full batch)."""
+    b = state.gen.seq_len.shape[0]
+
+    def grow(path, leaf):
+        axis = row_axis(path, leaf)
+        if axis is None or size <= b:
+            return leaf
+        first = jax.lax.slice_in_dim(leaf, 0, 1, axis=axis)  # what ``take_rows`` copies for a row -1
+        return jnp.concatenate([leaf, jnp.repeat(first, size - b, axis=axis)], axis=axis)
+
+    out = jax.tree_util.tree_map_with_path(grow, state)
+    return out.replace(gen=out.gen.replace(done=out.gen.done.at[b:].set(True)))
+
+
 def _gather_rows(tree: Any, idx: Int[Array, " N"]) -> Any:
     """``tree`` (a ``DecodeState`` or ``GenState``) with every batched leaf indexed by ``idx`` on its
     batch axis (``row_axis``)."""

@@ -312,8 +312,10 @@ class Scheduler:
                 state = engine.decode(self.params, self.dparams, state, jnp.int32(1), cfg=self.cfg, drafter=drafter)
             state = engine.insert_rows(state, new, jnp.asarray([b], jnp.int32))
             for other in self.buckets:  # growing or shrinking the running batch to any other bucket
-                if other != b:
+                if other < b:
                     jax.block_until_ready(engine.take_rows(state, jnp.asarray([0] + [-1] * (other - 1), jnp.int32)))
+                elif other > b:
+                    jax.block_until_ready(engine.grow_rows(state, other))
             jax.block_until_ready(state)
         log.info("warm-up (compilation) took %.1fs", time.perf_counter() - t0)
 
