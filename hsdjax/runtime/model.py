@@ -93,6 +93,9 @@ def write_path(cache: KVCache, k_sel: Float[Array, "L B A K D"], v_sel: Float[Ar
         write_rows = jax.vmap(write, in_axes=(0, 0, 0))
         k = tuple(write_rows(c, k_sel[i], cache.length) for i, c in enumerate(cache.k))
         v = tuple(write_rows(c, v_sel[i], cache.length) for i, c in enumerate(cache.v))
+    elif _on_explicit_mesh(k_sel):  # traced under an explicit mesh: the batched update keeps the shardings
+        write_rows = jax.vmap(write, in_axes=(1, 1, 0), out_axes=1)
+        k, v = write_rows(cache.k, k_sel, cache.length), write_rows(cache.v, v_sel, cache.length)
     else:  # one update per row, in place: a vmap over the batch axis (axis 1) made XLA keep the stacks
         k, v = cache.k, cache.v  # batch-major, and copy both whole to the kernels' layout every round
         for b in range(k.shape[1]):
@@ -100,6 +103,13 @@ def write_path(cache: KVCache, k_sel: Float[Array, "L B A K D"], v_sel: Float[Ar
             k = jax.lax.dynamic_update_slice(k, k_sel[:, b:b + 1].astype(k.dtype), at)
             v = jax.lax.dynamic_update_slice(v, v_sel[:, b:b + 1].astype(v.dtype), at)
     return KVCache(k=k, v=v, length=cache.length + n_keep.astype(jnp.int32))
+
+
+def _on_explicit_mesh(x: Array) -> bool:
+    """Whether ``x`` is traced under a mesh with explicit axes (``jax.sharding``'s explicit mode), where
+    slicing a row out of an update gives it a sharding the cache does not have."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return bool(getattr(mesh, "axis_names", ()))
 
 
 def commit(
