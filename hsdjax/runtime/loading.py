@@ -203,8 +203,9 @@ def load_model(name_or_path: str | None = None, *, dtype: str | None = None, lay
     ``layer_loop`` is ``scan`` (stacked weights under ``lax.scan``) or ``unrolled`` (per-layer weights);
     default: see ``default_layer_loop``. With the CPU kernels the weights are packed per layer (a GGUF
     may store a projection in different formats in different layers) and stacked after packing where
-    every layer's are stored alike; else the layers stay unrolled (``backend["layers"]`` says why). ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, a
-    dict of axis sizes or a string like ``"data=1,model=8"``) shards the params tensor-parallel (see
+    every layer's are stored alike; else the layers stay unrolled (``backend["layers"]`` says why).
+    ``mesh`` (a ``jax.sharding.Mesh`` with axes data/model, a dict of axis sizes or a string like
+    ``"data=1,model=8"``) shards the params tensor-parallel (see
     ``hsdjax.runtime.sharding``); None keeps them on one device.
 
     ``cpu_matmul``: ``auto`` runs the projections and the LM head through hsdjax's CPU matmul kernel
