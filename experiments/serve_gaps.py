@@ -76,6 +76,8 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=2.0)
     p.add_argument("--spec-max-active", type=int, default=1)
     p.add_argument("--prefill-chunk", type=int, default=None)
+    p.add_argument("--row-pool", choices=("auto", "off"), default="auto",
+                   help="off: the running batch's cache grows by copying (no row pool), for an A/B")
     args = p.parse_args()
 
     from hsdjax.frontends.api import enable_compilation_cache, load_model
@@ -85,6 +87,9 @@ def main() -> None:
     model = load_model(args.model)
     sched = Scheduler(model, args.method, max_batch=args.max_batch, max_context=args.max_context,
                       spec_max_active=args.spec_max_active, prefill_chunk=args.prefill_chunk, prefix_cache_mb=0)
+    if args.row_pool == "off":
+        sched.rows.pooled = False
+    print(f"row pool: {'on' if sched.rows.pooled else 'off'}")
     t0 = time.perf_counter()
     sched.start()
     sched.ready.wait()

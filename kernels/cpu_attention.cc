@@ -730,8 +730,9 @@ void TreeAttentionCore(Pool& pool, const float* q, const T* cache_k, const T* ca
   }
 }
 
-// The cache is [B, K, S, D] or a stack of caches over layers [L, B, K, S, D] of which `layer` is read in
-// place (the scanned layer loop passes the whole stack and its index).
+// The cache is [P, K, S, D] or a stack of caches over layers [L, P, K, S, D] of which `layer` is read in
+// place (the scanned layer loop passes the whole stack and its index). Query row b reads cache row b; the
+// cache may hold more rows than the batch (P >= B: a row pool whose rows past B are free).
 template <typename T, ffi::DataType DT>
 ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> cache_k,
                          ffi::Buffer<DT> cache_v, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::F32> new_k,
@@ -743,14 +744,14 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const int64_t at = layer.element_count() == 1 ? hsdjax_simd::LayerOffset(full, 4, layer.typed_data()[0]) : -1;
   const size_t r = full.size() == 5 ? 1 : 0;
   const int64_t kd[4] = {full[r], full[r + 1], full[r + 2], full[r + 3]};
-  if (qd.size() != 4 || at < 0 || cache_v.dimensions().size() != full.size() || qd[0] != kd[0] || nd[2] != kd[1] ||
+  if (qd.size() != 4 || at < 0 || cache_v.dimensions().size() != full.size() || qd[0] > kd[0] || nd[2] != kd[1] ||
       qd[3] != kd[3] || nd[0] != qd[0] || nd[1] != qd[1] || nd[3] != qd[3] || qd[2] % nd[2] != 0 ||
       cache_v.element_count() != cache_k.element_count() ||
       static_cast<int64_t>(lens.element_count()) != qd[0] ||
       static_cast<int64_t>(anc.element_count()) != nd[0] * nd[1] * nd[1] ||
       static_cast<int64_t>(depth.element_count()) != nd[0] * nd[1]) {
     return ffi::Error::InvalidArgument(
-        "hsdjax tree attention: expects q [B, T, H, D], cache [(L,) B, K, S, D], lens [B], new [B, T, K, D], "
+        "hsdjax tree attention: expects q [B, T, H, D], cache [(L,) P >= B, K, S, D], lens [B], new [B, T, K, D], "
         "anc [B, T, T], depth [B, T] and a layer in range");
   }
   const int64_t t_n = qd[1], d = qd[3];

@@ -96,6 +96,6 @@ def tree_attention_cpu(q: Float[Array, "B T H D"], cache_k, cache_v, cache_len, 
     b, t, h, d = q.shape
     if cache_k is None or cache_k.shape[-2] == 0 or t > MAX_NEW_TOKENS:
         if cache_k is not None and layer is not None:
-            cache_k, cache_v = cache_k[layer], cache_v[layer]
+            cache_k, cache_v = cache_k[layer][:b], cache_v[layer][:b]  # a row pool may hold more rows
         return tree_attention_reference(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask)
     return position_ordered_attention(q, cache_k, cache_v, cache_len, new_k, new_v, tree_mask, layer)

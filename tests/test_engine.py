@@ -201,3 +201,55 @@ def test_row_pool_places_grows_releases_and_shrinks_without_changing_rows(tiny):
         pool.release(row)
     pool.shrink()
     assert pool.state is None and pool.size == 0
+
+
+def test_pooled_row_pool_grows_without_copying_the_cache_and_keeps_rows_exact(smollm_kernel):
+    """A row pool (``RowPool(pooled=True)``, the server's batch over the CPU kernels' stacked cache) holds
+    the largest size's cache rows from the start: growing the batch hands the same cache buffer on (no
+    copy of any row), shrinking moves only the rows past the new size, and every row, speculating through
+    tree passes that read a cache with more rows than the batch, decodes exactly as its prompt alone."""
+    from hsdjax.core.batch import RowPool, pooled_cache
+    from hsdjax.core.drafters.pld import PromptLookupDrafter
+
+    model = smollm_kernel
+    cfg, params = model.cfg, model.params
+    assert pooled_cache(cfg)
+    drafter = PromptLookupDrafter(width=2, depth=3)
+    rng = np.random.RandomState(11)
+    prompts = [[int(t) for t in rng.randint(5, 5000, n)] * 2 for n in (4, 9, 6, 3)]  # repeats: lookup drafts
+    p_bucket, s_bucket = engine.plan_shapes(cfg, max(map(len, prompts)), 16, spare=drafter.spare)
+
+    def prefilled(i):
+        arr, lengths, budget = engine.pack_rows([prompts[i]], p_bucket, 1, 16)
+        gen, fwd = engine.prefill(params, jnp.array(arr), jnp.array(lengths), jnp.array(budget),
+                                  SamplingParams.make(1, 0.0, 0, 1.0), engine.row_keys(0, 1), engine.stop_array(()),
+                                  cfg=cfg, cache_size=s_bucket, spare=drafter.spare, keep_layers=())
+        return engine.start_decoding((), gen, fwd, drafter=drafter)
+
+    def decode(state, steps):
+        return engine.decode(params, (), state, jnp.int32(steps), cfg=cfg, drafter=drafter)
+
+    def tokens(state, row):
+        g = state.gen
+        return np.asarray(g.seq)[row, int(g.prompt_len[row]): int(g.seq_len[row])].tolist()
+
+    want = [tokens(decode(prefilled(i), 100), 0) for i in range(len(prompts))]
+    pool = RowPool((1, 2, 4), pooled=True)
+    pool.place(prefilled(0), [0])
+    assert pool.state.gen.cache.k.shape[1] == 4 and pool.size == 1  # the cache at the largest size
+    pool.state = decode(pool.state, 2)
+    before = pool.state.gen.cache.k.unsafe_buffer_pointer()
+    assert pool.place(prefilled(1), [1]) == [1] and pool.size == 2
+    assert pool.state.gen.cache.k.unsafe_buffer_pointer() == before  # grown: the same cache, no copy
+    pool.state = decode(pool.state, 2)
+    assert pool.place(prefilled(2), [2]) == [2] and pool.size == 4
+    pool.state = decode(pool.state, 3)
+    pool.release(0)
+    before = pool.state.gen.cache.k.unsafe_buffer_pointer()
+    pool.shrink()
+    assert pool.size == 2 and pool.slots == [1, 2] and pool.state.gen.cache.k.shape[1] == 4
+    assert pool.state.gen.cache.k.unsafe_buffer_pointer() == before  # rows moved in place
+    assert pool.place(prefilled(3), [3]) == [2] and pool.size == 4
+    pool.state = decode(pool.state, 100)
+    for row in pool.busy():
+        assert tokens(pool.state, row) == want[pool.slots[row]], row

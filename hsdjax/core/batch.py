@@ -17,15 +17,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsdjax.core import engine
+from hsdjax.runtime.config import ModelConfig
 
 T = TypeVar("T")
 
 
-class RowPool(Generic[T]):
-    """``state``'s rows and who owns them: ``slots[i]`` is row i's item, None while the row is free."""
+def pooled_cache(cfg: ModelConfig) -> bool:
+    """Whether a ``RowPool`` over this model keeps its KV cache at the largest size (``pooled``): where the
+    layers scan over a stacked cache that the CPU kernels read by row in place. Elsewhere (XLA's path, the
+    unrolled layout, a mesh) slicing the batch's rows out of a larger cache could copy them every pass."""
+    return bool(cfg.scan_layers) and cfg.resolved_backend == "cpu-kernel"
 
-    def __init__(self, sizes: Sequence[int]):
+
+class RowPool(Generic[T]):
+    """``state``'s rows and who owns them: ``slots[i]`` is row i's item, None while the row is free.
+
+    ``pooled``: the state's KV cache holds the largest size's rows from the start
+    (``engine.with_capacity``), so growing the batch copies no cache (only the small per-row leaves) and
+    shrinking moves only the rows that move (``engine.compact_rows``): a running stream does not wait
+    for every row's cache to be copied when a request joins (needs the stacked cache)."""
+
+    def __init__(self, sizes: Sequence[int], pooled: bool = False):
         self.sizes = tuple(sorted(set(sizes)))
+        self.pooled = pooled
         self.state: engine.DecodeState | None = None
         self.slots: list[T | None] = []
 
@@ -58,6 +72,8 @@ class RowPool(Generic[T]):
             rows[:k] = np.arange(k)
             same = want == k == new.gen.seq_len.shape[0]
             self.state = new if same else engine.take_rows(new, jnp.asarray(rows))
+            if self.pooled:
+                self.state = engine.with_capacity(self.state, self.sizes[-1])
             self.slots = [None] * want
             got = list(range(k))
         else:
@@ -66,7 +82,7 @@ class RowPool(Generic[T]):
             got = self.free()[:k]
             if len(got) < k:
                 raise ValueError(f"{k} rows do not fit in the {len(got)} free rows of a batch of {self.size}")
-            target = got + [self.size] * (new.gen.seq_len.shape[0] - k)  # past the end: dropped
+            target = got + [engine.DROP_ROW] * (new.gen.seq_len.shape[0] - k)
             self.state = engine.insert_rows(self.state, new, jnp.asarray(target, jnp.int32))
         for i, item in zip(got, items):
             self.slots[i] = item
@@ -96,7 +112,8 @@ class RowPool(Generic[T]):
             return
         rows = np.full((size,), -1, np.int32)
         rows[: len(busy)] = busy
-        self.state = engine.take_rows(self.state, jnp.asarray(rows))
+        move = engine.compact_rows if self.pooled else engine.take_rows
+        self.state = move(self.state, jnp.asarray(rows))
         self.slots = [self.slots[i] for i in busy] + [None] * (size - len(busy))
 
     def clear(self) -> None:

@@ -562,7 +562,7 @@ def insert_rows(state: DecodeState, new: DecodeState, slots: Int[Array, " N"]) -
     """Write the N rows of ``new`` into rows ``slots`` of the running ``state`` (continuous batching).
 
     Both states must have the same cache size (and drafter); ``new`` may have any batch size N. A
-    slot index out of range (e.g. B) drops that row, so padded prefill batches can be inserted as is.
+    slot index out of range (``DROP_ROW``) drops that row, so padded prefill batches can be inserted as is.
     Every leaf is indexed on its batch axis (axis 0, or 1 for stacked KV caches); ``stop_ids`` is
     shared and kept from ``state``.
     """
@@ -590,23 +590,78 @@ def take_rows(state: DecodeState, rows: Int[Array, " N"]) -> DecodeState:
     return out.replace(gen=out.gen.replace(done=out.gen.done | ~valid))
 
 
-@partial(jax.jit, static_argnames=("size",))
 def grow_rows(state: DecodeState, size: int) -> DecodeState:
     """``take_rows(state, [0, 1, .., B - 1, -1, ..])``: the running rows where they are and ``size - B``
     free (``done``) rows after them, as concatenations, which XLA's CPU backend runs at copy speed (the
     gather of ``take_rows`` over the stacked KV caches took 221 ms against 137 for SmolLM2's 8 rows x
-    1,024 positions, growing to 9: a running stream's longest wait when a request joins a full batch)."""
+    1,024 positions, growing to 9: a running stream's longest wait when a request joins a full batch).
+    A row pool's cache (``with_capacity``) already has the rows: it is handed on as it is (the same
+    buffers; passed through a jitted function, XLA would copy it)."""
+    cache = state.gen.cache
+    if isinstance(cache.k, tuple) or cache.k.shape[1] < size:
+        return _grow_rows(state, size)
+    out = _grow_rows(state.replace(gen=state.gen.replace(cache=cache.replace(k=None, v=None))), size)
+    return out.replace(gen=out.gen.replace(cache=out.gen.cache.replace(k=cache.k, v=cache.v)))
+
+
+@partial(jax.jit, static_argnames=("size",))
+def _grow_rows(state: DecodeState, size: int) -> DecodeState:
     b = state.gen.seq_len.shape[0]
 
     def grow(path, leaf):
         axis = row_axis(path, leaf)
-        if axis is None or size <= b:
+        if axis is None or leaf.shape[axis] >= size:
             return leaf
         first = jax.lax.slice_in_dim(leaf, 0, 1, axis=axis)  # what ``take_rows`` copies for a row -1
-        return jnp.concatenate([leaf, jnp.repeat(first, size - b, axis=axis)], axis=axis)
+        return jnp.concatenate([leaf, jnp.repeat(first, size - leaf.shape[axis], axis=axis)], axis=axis)
 
     out = jax.tree_util.tree_map_with_path(grow, state)
     return out.replace(gen=out.gen.replace(done=out.gen.done.at[b:].set(True)))
+
+
+DROP_ROW = 2**30  # a row index ``insert_rows`` drops, whatever rows the state (or its row pool) holds
+
+
+@partial(jax.jit, static_argnames=("rows",))
+def with_capacity(state: DecodeState, rows: int) -> DecodeState:
+    """``state`` with a KV cache of ``rows`` rows (a row pool; rows past the batch are free, zeros), so
+    that ``grow_rows`` up to ``rows`` copies no cache and ``compact_rows`` moves only the rows that move.
+    Only the stacked cache ([L, B, K, S, D]), which the CPU kernels and the commit index by row in place
+    (``model.write_path``); the small leaves (tokens, lengths, drafter state) keep the batch's rows."""
+    cache = state.gen.cache
+    if isinstance(cache.k, tuple):
+        raise HsdjaxError("a row pool needs the stacked KV cache (ModelConfig.scan_layers)")
+    extra = rows - cache.k.shape[1]
+    if extra <= 0:
+        return state
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((a.shape[0], extra, *a.shape[2:]), a.dtype)], axis=1)  # noqa: E731
+    return state.replace(gen=state.gen.replace(cache=cache.replace(k=pad(cache.k), v=pad(cache.v))))
+
+
+def compact_rows(state: DecodeState, rows: Int[Array, " N"]) -> DecodeState:
+    """``take_rows`` for a row pool (``with_capacity``): the small leaves are gathered as there, the cache
+    keeps its rows and copies row ``rows[i]`` into row i in place where they differ (its buffers are
+    donated), so shrinking the batch moves only the busy rows that sit past the new size. ``rows`` must
+    be increasing apart from its -1 entries (the busy rows in order), so that no row is read after it
+    was overwritten."""
+    cache = state.gen.cache
+    k, v = _move_cache_rows(cache.k, cache.v, rows)
+    small = take_rows(state.replace(gen=state.gen.replace(cache=cache.replace(k=None, v=None))), rows)
+    return small.replace(gen=small.gen.replace(cache=small.gen.cache.replace(k=k, v=v)))
+
+
+@partial(jax.jit, donate_argnames=("k", "v"))
+def _move_cache_rows(k: Array, v: Array, rows: Int[Array, " N"]) -> tuple[Array, Array]:
+    def move(i, kv):
+        src = rows[i]
+
+        def copy(kv):
+            return tuple(jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src, 1, axis=1), i,
+                                                             axis=1) for a in kv)
+
+        return jax.lax.cond((src >= 0) & (src != i), copy, lambda kv: kv, kv)
+
+    return jax.lax.fori_loop(0, rows.shape[0], move, (k, v))
 
 
 def _gather_rows(tree: Any, idx: Int[Array, " N"]) -> Any:

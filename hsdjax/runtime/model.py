@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from hsdjax.errors import HsdjaxError
 from hsdjax.kernels.cpu_attention import MAX_NEW_TOKENS, tree_attention_cpu
 from hsdjax.kernels.cpu_matmul import PANEL, panel_matmul, panel_matmul_reference, screened_argmax
 from hsdjax.kernels.tree_attention import attention_fn
@@ -82,9 +83,13 @@ def write_path(cache: KVCache, k_sel: Float[Array, "L B A K D"], v_sel: Float[Ar
     """Write A entries per row right after the row's prefix; the first ``n_keep[b]`` become valid.
 
     All A entries are written (slots beyond ``n_keep`` hold garbage that the advanced ``length``
-    masks out and the next write overwrites), so the cache needs A spare slots.
+    masks out and the next write overwrites), so the cache needs A spare slots. A stacked cache may
+    hold more rows than the batch (a row pool, ``pooled_rows``): row b is written, rows past B stay.
     """
     k_sel, v_sel = k_sel.transpose(0, 1, 3, 2, 4), v_sel.transpose(0, 1, 3, 2, 4)  # [L, B, K, A, D]
+    batch = cache.length.shape[0]
+    if pooled_rows(cache) and (isinstance(cache.k, tuple) or _on_explicit_mesh(k_sel)):
+        raise HsdjaxError("a KV cache with more rows than the batch needs the stacked layout off a mesh")
 
     def write(buf, upd, start):  # one row: buf [..., K, S, D], upd [..., K, A, D]
         return jax.lax.dynamic_update_slice(buf, upd.astype(buf.dtype), (0,) * (buf.ndim - 2) + (start, 0))
@@ -98,11 +103,18 @@ def write_path(cache: KVCache, k_sel: Float[Array, "L B A K D"], v_sel: Float[Ar
         k, v = write_rows(cache.k, k_sel, cache.length), write_rows(cache.v, v_sel, cache.length)
     else:  # one update per row, in place: a vmap over the batch axis (axis 1) made XLA keep the stacks
         k, v = cache.k, cache.v  # batch-major, and copy both whole to the kernels' layout every round
-        for b in range(k.shape[1]):
+        for b in range(batch):
             at = (0, b, 0, cache.length[b], 0)
             k = jax.lax.dynamic_update_slice(k, k_sel[:, b:b + 1].astype(k.dtype), at)
             v = jax.lax.dynamic_update_slice(v, v_sel[:, b:b + 1].astype(v.dtype), at)
     return KVCache(k=k, v=v, length=cache.length + n_keep.astype(jnp.int32))
+
+
+def pooled_rows(cache: KVCache) -> bool:
+    """Whether the cache holds more rows than the batch (``engine.with_capacity``: rows ``B ..`` of a
+    row pool, kept so that growing the batch copies no cache)."""
+    rows = cache.k[0].shape[0] if isinstance(cache.k, tuple) else cache.k.shape[1]
+    return rows > cache.length.shape[0]
 
 
 def _on_explicit_mesh(x: Array) -> bool:
@@ -242,6 +254,8 @@ class Block(nn.Module):
         if cfg.cache_dtype and cfg.cache_dtype != cfg.dtype:  # the new tokens as the cache will hold them, so
             k, v = (a.astype(cfg.cache_dtype).astype(a.dtype) for a in (k, v))  # a tree sees what `ar` reads
         attend = attention_for(backend)
+        if layer is None and cache_k is not None and cache_k.shape[0] > b:  # a row pool: the batch's rows
+            cache_k, cache_v = cache_k[:b], cache_v[:b]
         if layer is not None:
             attn = attend(q, cache_k, cache_v, cache_len, k, v, new_mask, layer=layer)
         else:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hsdjax.core import engine
-from hsdjax.core.batch import RowPool
+from hsdjax.core.batch import RowPool, pooled_cache
 from hsdjax.core.drafters.base import ARDrafter, Drafter
 from hsdjax.core.sampling import SamplingParams, effective_temperature
 from hsdjax.frontends.api import BATCH_BUCKETS, Generator, LoadedModel, token_logprobs
@@ -211,7 +211,8 @@ class Scheduler:
         self._waiting: collections.deque[GenRequest] = collections.deque()
         self._occupied = 0  # rows in use, plus requests taken off the queue and being prefilled
         self._stopping = False
-        self.rows: RowPool[Choice] = RowPool(self.buckets)  # the running batch: each row's choice or None
+        # the running batch: each row's choice or None (its cache at the largest bucket where that pays)
+        self.rows: RowPool[Choice] = RowPool(self.buckets, pooled=pooled_cache(self.cfg))
         self._small_for = 0
         self.ready = threading.Event()
         self.failure: str | None = None
@@ -306,18 +307,25 @@ class Scheduler:
                 self.prefix.clear()  # the warm-up prompts are not worth keeping
                 blocks *= 2
         for b in self.buckets:
-            rows = jnp.asarray([0] + [-1] * (b - 1), jnp.int32)
-            state = engine.take_rows(new, rows)
+            state = self._warm_state(new, b)
             for drafter in self._decoders_at(b):
                 state = engine.decode(self.params, self.dparams, state, jnp.int32(1), cfg=self.cfg, drafter=drafter)
-            state = engine.insert_rows(state, new, jnp.asarray([b], jnp.int32))
+            state = engine.insert_rows(state, new, jnp.asarray([engine.DROP_ROW], jnp.int32))
             for other in self.buckets:  # growing or shrinking the running batch to any other bucket
-                if other < b:
-                    jax.block_until_ready(engine.take_rows(state, jnp.asarray([0] + [-1] * (other - 1), jnp.int32)))
-                elif other > b:
+                rows = jnp.asarray([0] + [-1] * (other - 1), jnp.int32)
+                if other > b:
                     jax.block_until_ready(engine.grow_rows(state, other))
+                elif other < b and self.rows.pooled:  # compact_rows consumes its state: a fresh one
+                    jax.block_until_ready(engine.compact_rows(self._warm_state(new, b), rows))
+                elif other < b:
+                    jax.block_until_ready(engine.take_rows(state, rows))
             jax.block_until_ready(state)
         log.info("warm-up (compilation) took %.1fs", time.perf_counter() - t0)
+
+    def _warm_state(self, new: engine.DecodeState, b: int) -> engine.DecodeState:
+        """A running state of ``b`` rows shaped as ``RowPool.place`` makes it (row 0 from ``new``)."""
+        state = engine.take_rows(new, jnp.asarray([0] + [-1] * (b - 1), jnp.int32))
+        return engine.with_capacity(state, self.buckets[-1]) if self.rows.pooled else state
 
     def _empty_fill(self) -> engine.PromptFill:
         """A one-row prompt fill whose buffers are as long as the cache (so piece programs do not depend
