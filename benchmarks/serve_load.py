@@ -7,6 +7,7 @@
     python benchmarks/serve_load.py --scenario multiturn --variants ar --max-context 2048   # prefix reuse
     python benchmarks/serve_load.py --scenario arrival --variants ar --max-context 2048     # chunked prefill
     python benchmarks/serve_load.py --scenario coldstart --variants pld --max-context 2048  # first requests
+    python benchmarks/serve_load.py --scenario abuse --variants pld --max-context 2048  # RSS over repeats
 
 A variant is a method (``ar``, ``pld``, ``sps``), optionally ``@N`` for ``--spec-max-active N``
 (speculate only while at most N rows are busy; ``@none``: always speculate; no suffix: the server's
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -329,6 +332,91 @@ def run_coldstart(args: argparse.Namespace) -> int:
                       f"{c['ttft'] / w['ttft']:>8.2f}x {c['gap_p50']:>15.3f} {c['gap_p99']:>12.3f} "
                       f"{c['gap_max']:>12.3f}", flush=True)
             print(f"{method}: RSS after the requests {rss_mb(proc):.0f} MB", flush=True)
+            time.sleep(5.0)  # idle: the running state dropped, the heap trimmed
+            print(f"{method}: RSS idle after the requests {rss_mb(proc):.0f} MB", flush=True)
+        finally:
+            stop(proc)
+    return 0
+
+
+async def abuse_round(url: str, model: str, docs: list[str], seed: int) -> collections.Counter:
+    """One round of what a hostile or careless crowd sends (issue #51's sweep, condensed): 24 streams of
+    which half disconnect mid-answer, long prompts, n = 3 choices with logprobs, random Unicode and
+    extreme numbers in every field, a burst of 80 requests (some get 429), a 10 MB body (413). Returns
+    the count of each status; a 5xx is a failure of the server."""
+    rng = random.Random(seed)
+    status: collections.Counter = collections.Counter()
+    chat = f"{url}/v1/chat/completions"
+    junk = ["\ud800", "\U0010ffff", "\x00", "\u202e", "é" * 500, "", " ", "\n" * 50, "🙂" * 100]
+    numbers = [-1e308, 1e308, 2**63, -(2**63), 1e-45, float("nan"), float("inf"), 0, -1, 3.5]
+    fields = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "logprobs",
+              "top_logprobs", "presence_penalty", "logit_bias", "user", "stream"]
+
+    def body(**kw: Any) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "max_tokens": 16,
+                "temperature": 0, **kw}
+
+    async def post(http: httpx.AsyncClient, payload: Any, raw: bytes | None = None) -> None:
+        try:
+            if raw is not None:
+                r = await http.post(chat, content=raw, headers={"content-type": "application/json"})
+            else:
+                r = await http.post(chat, content=json.dumps(payload, allow_nan=True).encode("utf-8", "surrogatepass"),
+                                    headers={"content-type": "application/json"})
+            status[r.status_code] += 1
+        except httpx.HTTPError as exc:
+            status[type(exc).__name__] += 1
+
+    async def stream(http: httpx.AsyncClient, payload: dict[str, Any], cut_after: int | None) -> None:
+        try:
+            async with http.stream("POST", chat, json=payload) as resp:
+                status[resp.status_code] += 1
+                n = 0
+                async for _ in resp.aiter_lines():
+                    n += 1
+                    if cut_after is not None and n >= cut_after:
+                        break  # the client goes away mid-answer
+        except httpx.HTTPError as exc:
+            status[type(exc).__name__] += 1
+
+    limits = httpx.Limits(max_connections=128, max_keepalive_connections=32)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        streams = [stream(http, body(max_tokens=64, stream=True), rng.randint(2, 12) if i % 2 else None)
+                   for i in range(24)]
+        longs = [post(http, body(messages=[{"role": "user", "content": d}], max_tokens=8)) for d in docs]
+        choices = [post(http, body(n=3, temperature=0.8, logprobs=True, top_logprobs=5, seed=i)) for i in range(4)]
+        hostile = []
+        for _ in range(40):
+            field = rng.choice(fields)
+            value = rng.choice(junk) if rng.random() < 0.5 else rng.choice(numbers)
+            hostile.append(post(http, body(**{field: value})))
+        await asyncio.gather(*streams, *longs, *choices, *hostile)
+        await asyncio.gather(*(post(http, body(max_tokens=1)) for _ in range(80)))  # a burst
+        await post(http, None, raw=b'{"messages": "' + b"x" * (10 * 2**20) + b'"}')
+    return status
+
+
+def run_abuse(args: argparse.Namespace) -> int:
+    """RSS at ready, then after each of ``--rounds-abuse`` identical abuse rounds (idle for a few seconds
+    first, as a server between bursts): the growth of a repeat says whether anything accumulates."""
+    docs = long_documents(Path(args.documents), 3000, 8000, 4)
+    for method in args.variants.split(","):
+        proc, url = start_server(args, method, None)
+        try:
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            rss = [rss_mb(proc)]
+            print(f"{method}: RSS at ready {rss[0]:.0f} MB", flush=True)
+            for i in range(args.rounds_abuse):
+                t0 = time.perf_counter()
+                status = asyncio.run(abuse_round(url, model, docs, seed=i % 2))
+                time.sleep(5.0)  # idle: the scheduler drops the running state and trims the heap
+                rss.append(rss_mb(proc))
+                bad = sum(v for k, v in status.items() if isinstance(k, int) and k >= 500)
+                print(f"{method}: round {i + 1} ({time.perf_counter() - t0:.0f} s): RSS idle {rss[-1]:.0f} MB "
+                      f"({rss[-1] - rss[-2]:+.0f} MB); statuses {dict(sorted(status.items(), key=str))}; "
+                      f"5xx {bad}", flush=True)
+            if len(rss) >= 3:
+                print(f"{method}: last repeat grew RSS by {100 * (rss[-1] / rss[-2] - 1):+.1f}%", flush=True)
         finally:
             stop(proc)
     return 0
@@ -369,10 +457,12 @@ def main() -> int:
     p.add_argument("--questions", action="append", default=None, help="JSONL question files (turns[0] is used)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per level")
-    p.add_argument("--scenario", choices=("load", "multiturn", "arrival", "coldstart"), default="load",
+    p.add_argument("--scenario", choices=("load", "multiturn", "arrival", "coldstart", "abuse"), default="load",
                    help="load: clients levels (default); multiturn: turn-2 time to first token with and without "
                         "prefix reuse; arrival: running streams' latency while a long prompt arrives; "
-                        "coldstart: start-up time and the first request of each length against a warm one")
+                        "coldstart: start-up time and the first request of each length against a warm one; "
+                        "abuse: RSS after repeated rounds of hostile and careless requests")
+    p.add_argument("--rounds-abuse", type=int, default=3, help="abuse: rounds (default 3)")
     p.add_argument("--lengths", default="400,800,1600,3200,6000",
                    help="coldstart: prompt lengths in characters (default 400,800,1600,3200,6000: ~100-1,500 tokens)")
     p.add_argument("--documents", default=str(ROOT.parent / "shared/data/train/prompts_more.jsonl"),
@@ -390,6 +480,8 @@ def main() -> int:
         return run_arrival(args)
     if args.scenario == "coldstart":
         return run_coldstart(args)
+    if args.scenario == "abuse":
+        return run_abuse(args)
     prompts = read_prompts(args)
     clients = [int(c) for c in args.clients.split(",")]
     rows = []

@@ -94,6 +94,11 @@ def main() -> None:
     sched.start()
     sched.ready.wait()
     print(f"ready after {time.perf_counter() - t0:.1f} s")
+    events: list[str] = []  # traces and compiles after ready: each is a missing warm-up
+    jax.config.update("jax_log_compiles", True)  # which ones (logged as warnings)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, _secs, **_kw: events.append(name) if name in (
+            "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration") else None)
     log: list[tuple[str, float, float]] = []
     instrument(sched, log)
     rng = np.random.default_rng(0)
@@ -131,6 +136,8 @@ def main() -> None:
             by.setdefault(n, []).append(e - s)
         print("  steps (median ms, count): " + ", ".join(
             f"{n} {1e3 * float(np.median(v)):.1f} x{len(v)}" for n, v in by.items()))
+    print(f"after ready: {events.count('/jax/core/compile/jaxpr_trace_duration')} traces, "
+          f"{events.count('/jax/core/compile/backend_compile_duration')} compiles")
     sched.close()
 
 

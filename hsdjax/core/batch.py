@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Generic, Sequence, TypeVar
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from hsdjax.core import engine
@@ -27,6 +27,12 @@ def pooled_cache(cfg: ModelConfig) -> bool:
     layers scan over a stacked cache that the CPU kernels read by row in place. Elsewhere (XLA's path, the
     unrolled layout, a mesh) slicing the batch's rows out of a larger cache could copy them every pass."""
     return bool(cfg.scan_layers) and cfg.resolved_backend == "cpu-kernel"
+
+
+def _device_rows(rows: Sequence[int] | np.ndarray) -> jax.Array:
+    """Row indices on the device without a program (``jnp.asarray`` of a host array compiles a small one
+    per length, which the server's warm-up would have to foresee)."""
+    return jax.device_put(np.asarray(rows, np.int32))
 
 
 class RowPool(Generic[T]):
@@ -71,7 +77,7 @@ class RowPool(Generic[T]):
             rows = np.full((want,), -1, np.int32)
             rows[:k] = np.arange(k)
             same = want == k == new.gen.seq_len.shape[0]
-            self.state = new if same else engine.take_rows(new, jnp.asarray(rows))
+            self.state = new if same else engine.take_rows(new, _device_rows(rows))
             if self.pooled:
                 self.state = engine.with_capacity(self.state, self.sizes[-1])
             self.slots = [None] * want
@@ -83,7 +89,7 @@ class RowPool(Generic[T]):
             if len(got) < k:
                 raise ValueError(f"{k} rows do not fit in the {len(got)} free rows of a batch of {self.size}")
             target = got + [engine.DROP_ROW] * (new.gen.seq_len.shape[0] - k)
-            self.state = engine.insert_rows(self.state, new, jnp.asarray(target, jnp.int32))
+            self.state = engine.insert_rows(self.state, new, _device_rows(target))
         for i, item in zip(got, items):
             self.slots[i] = item
         return got
@@ -113,7 +119,7 @@ class RowPool(Generic[T]):
         rows = np.full((size,), -1, np.int32)
         rows[: len(busy)] = busy
         move = engine.compact_rows if self.pooled else engine.take_rows
-        self.state = move(self.state, jnp.asarray(rows))
+        self.state = move(self.state, _device_rows(rows))
         self.slots = [self.slots[i] for i in busy] + [None] * (size - len(busy))
 
     def clear(self) -> None:

@@ -32,8 +32,10 @@ Scheduling policy (``hsdjax.frontends.serving.scheduler``):
 - **Batch**: at most ``--max-batch`` B rows (default 8) generate at once. The running state has one
   fixed cache size (the cache bucket holding ``--max-context``, default 2048) so rows can move between
   states; its batch size is the smallest bucket (1, 2, 4, 8, ... B) holding the busy rows. It grows
-  (``engine.take_rows``) when requests arrive and shrinks after the busy rows have fitted a smaller
-  bucket for two consecutive steps with nothing waiting, so a lone request runs at batch 1.
+  (``engine.grow_rows``) when requests arrive and shrinks after the busy rows have fitted a smaller
+  bucket for two consecutive steps with nothing waiting, so a lone request runs at batch 1. With the
+  CPU kernels' stacked cache its KV cache holds B rows from the first request on (a row pool:
+  ``RowPool(pooled=True)``), so growing copies no cache and shrinking moves only the rows that move.
 - **Admission** (continuous batching): waiting requests (FIFO) take free rows (a request of n choices
   waits until n rows are free). Each newcomer's prompt is filled into a batch-1 ``engine.PromptFill``:
   first the longest prefix the prefix cache holds (below), then the rest in pieces

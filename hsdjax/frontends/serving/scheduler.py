@@ -548,7 +548,7 @@ class Scheduler:
         if stop_rows:  # rows freed early (stop string, client gone) stop computing
             mask = np.zeros(done.shape, bool)
             mask[stop_rows] = True
-            self.rows.state = self.rows.state.replace(gen=gen.replace(done=gen.done | jnp.asarray(mask)))
+            self.rows.state = self.rows.state.replace(gen=gen.replace(done=jax.device_put(done | mask)))  # no program
 
     def _advance(self, c: Choice, row: int, end: int, row_done: bool, host: _HostView
                  ) -> tuple[str, list[tuple[Any, int]]]:
