@@ -103,9 +103,9 @@ def start_server(args: argparse.Namespace, method: str, spec_max_active: str | N
 
 
 async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str | list[dict[str, str]],
-                      max_tokens: int) -> dict[str, Any]:
+                      max_tokens: int, started: asyncio.Event | None = None) -> dict[str, Any]:
     """One streamed greedy chat completion: status, time to first content, total time, the arrival
-    times of its content chunks, its text and usage."""
+    times of its content chunks, its text and usage (``started`` is set at its first content)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -127,6 +127,8 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str
                 text.append(content)
                 if ttft is None:
                     ttft = chunks[-1] - t0
+                    if started is not None:
+                        started.set()
             if event.get("usage"):
                 usage, extra = event["usage"], event.get("hsdjax")
     total = time.perf_counter() - t0
@@ -286,9 +288,13 @@ async def cold_and_warm(url: str, model: str, documents: list[str], chars: int, 
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
         out: dict[str, Any] = {}
         for name, doc in (("cold", documents[0]), ("warm", documents[1])):
-            tasks = [asyncio.create_task(one_request(http, url, model, PROMPTS[i % len(PROMPTS)], max_tokens))
-                     for i in range(streams)]
-            await asyncio.sleep(2.0)  # the streams are decoding
+            started = [asyncio.Event() for _ in range(streams)]
+            tasks = [asyncio.create_task(one_request(http, url, model, PROMPTS[i % len(PROMPTS)], max_tokens,
+                                                     started[i])) for i in range(streams)]
+            # the streams are decoding (all admitted: the first burst after a start admits them one per
+            # decode call and took ~4 s, so a fixed 2 s wait timed the admissions, not the new prompt)
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+            await asyncio.sleep(1.0)
             r = await one_request(http, url, model, doc[:chars], 4)
             runs = await asyncio.gather(*tasks)
             gaps = [b - a for x in runs for a, b in zip(x["chunks"], x["chunks"][1:])]

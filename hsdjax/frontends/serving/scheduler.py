@@ -207,6 +207,8 @@ class Scheduler:
         blocks = int(prefix_cache_mb * 2**20) // block_bytes(self.cfg, layers)
         self.prefix = PrefixCache(self.cfg, blocks, layers) if blocks > 0 else None
         self._filling: collections.deque[Filling] = collections.deque()
+        # fills finished while rows decode, waiting for the next call to be inserted (with their first token)
+        self._to_place: collections.deque[tuple[Filling, engine.DecodeState]] = collections.deque()
         self._cond = threading.Condition()
         self._waiting: collections.deque[GenRequest] = collections.deque()
         self._occupied = 0  # rows in use, plus requests taken off the queue and being prefilled
@@ -417,9 +419,22 @@ class Scheduler:
         with nothing decoding, whole prompts. A finished fill's rows join the running batch and its
         first token is sent. While rows decode, finishing a fill (its first token, the drafter's start,
         inserting its rows) is a call's whole share: it runs at the next call after the last piece, and
-        one per call, so a stream waits for one of them between two decode calls, never both."""
+        one per call, so a stream waits for one of them between two decode calls, never both. The end
+        itself is two shares: the first token and the drafter's start, then, at the next call, the
+        insert and the first token sent (the insert makes the next decode call a row larger, so with the
+        end in the same gap it was a running stream's longest wait)."""
         budget = self._prefill_budget() if self.rows.any_busy() else None
         placed: list[Filling] = []
+        if self._to_place:  # a fill that ended at the last call: its insert is this call's share
+            f, new = self._to_place.popleft()
+            if f.req.cancelled.is_set():
+                with self._cond:
+                    self._occupied -= f.req.n
+                self._finish(f.req, "cancelled")
+            else:
+                self._place(f.req, new)
+                placed.append(f)
+            budget = 0
         while self._filling and (budget is None or budget > 0):
             f = self._filling[0]
             r = f.req
@@ -449,6 +464,9 @@ class Scheduler:
                     self._filling.popleft()
                 self._prefill_failed(r)
                 continue
+            if budget is not None:  # rows decode: the insert waits for the next call
+                self._to_place.append((f, new))
+                break
             self._place(r, new)
             placed.append(f)
             if budget is not None:
@@ -636,7 +654,7 @@ class Scheduler:
             return
         target = self.rows.size_for(busy)
         with self._cond:
-            waiting = bool(self._waiting)
+            waiting = bool(self._waiting) or bool(self._to_place)
         if target >= self.rows.size or waiting:
             self._small_for = 0
             return
@@ -651,7 +669,8 @@ class Scheduler:
     def _fail_all(self, exc: Exception | None) -> None:
         err = (APIError(500, "generation failed; see the server log", type="server_error") if exc is not None
                else APIError(503, "the server is shutting down", type="server_error"))
-        running = [c.req for c in self.rows.slots if c is not None] + [f.req for f in self._filling]
+        running = ([c.req for c in self.rows.slots if c is not None] + [f.req for f in self._filling]
+                   + [f.req for f, _ in self._to_place])
         for r in dict.fromkeys(running):
             self.metrics.request_done("error", len(r.prompt_ids), 0, 0)
             r.send(("error", err))
@@ -659,3 +678,4 @@ class Scheduler:
             self._occupied = 0
         self.rows.clear()
         self._filling = collections.deque()
+        self._to_place = collections.deque()
