@@ -45,7 +45,7 @@ log = logging.getLogger("hsdjax.frontends.serve")
 
 WHOLE_PIECE = 2048  # the largest prompt piece run while no row decodes (nothing to interleave with)
 AUTO_CHUNK_MAX = 512  # the largest piece the automatic prefill budget runs while rows decode
-AUTO_CHUNK_SHARE = 0.75  # its pieces cost at most this share of a decode call (margin: costs grow as it fills)
+AUTO_CHUNK_SHARE = 0.5  # its pieces cost at most this share of a decode call (margin: costs grow as it fills)
 
 
 def _average(old: float | None, new: float, weight: float = 0.2) -> float:
