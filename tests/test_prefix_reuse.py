@@ -301,7 +301,9 @@ def test_automatic_prefill_budget_costs_about_one_decode_call(smollm):
     assert s.prefix is None
     assert s._prefill_budget() == 32  # nothing measured yet: the smallest piece
     s._decode_s, s._token_s = 0.4, 0.4 / 100  # a decode call costs as much as 100 prompt tokens
-    assert s._prefill_budget() == 64  # 64 tokens: 0.64 of a call (128: 1.28)
+    assert s._prefill_budget() == 32  # 32 tokens: 0.32 of a call (64: 0.64, over AUTO_CHUNK_SHARE)
+    s._token_s = 0.4 / 200
+    assert s._prefill_budget() == 64  # 64 tokens: 0.32 of a call (128: 0.64)
     s._token_s = 0.4 / 10_000
     assert s._prefill_budget() == AUTO_CHUNK_MAX
     s._token_s = 1.0
