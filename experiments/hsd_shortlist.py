@@ -2,7 +2,7 @@
 shortlist of S candidates once per depth; each node's injected state then scores only those S head
 rows (``HSDDrafter.shortlist``), instead of all 4,096. The shipped SmolLM2 drafter, not retrained:
 
-    python experiments/hsd_shortlist.py [--shortlists 0,16,64,256] [--ranks 256@64,256@32] [--limit 2] [--max-new 128] [--tree 4/3/5]
+    python experiments/hsd_shortlist.py [--shortlists 0,16,64,256] [--limit 2] [--max-new 128] [--tree 4/3/5]
 
 Runs the dev-set prompts (the first ``--limit`` questions of each set and turn) with every shortlist,
 greedy, and prints per shortlist (and for the shipped `eagle` on the same tree): tokens per round, the drafter's multiply-adds per accepted draft and
@@ -16,7 +16,6 @@ import dataclasses
 from pathlib import Path
 
 import hsdjax
-from hsdjax.core.drafters.hsd import low_rank_head
 from hsdjax.core.methods import make_drafter
 from hsdjax.frontends.api import Generator
 from hsdjax.frontends.bench.questions import dev_set_prompts
@@ -32,7 +31,6 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--tree", default="4/3/5", help="depth/width/budget (the method's default tree)")
     ap.add_argument("--questions", default=str(QUESTIONS))
-    ap.add_argument("--ranks", default="", help="S@R,...: shortlists picked by a rank-R factorization of the head")
     args = ap.parse_args()
     model = hsdjax.load_model(args.model)
     depth, width, budget = (int(x) for x in args.tree.split("/"))
@@ -48,11 +46,6 @@ def main() -> None:
     eagle = make_drafter("eagle", model, depth=depth, width=width, budget=budget)
     runs = [(str(s) if s else "full", Generator.with_drafter(model, dataclasses.replace(drafter, shortlist=s), dparams))
             for s in (int(x) for x in args.shortlists.split(","))]
-    for spec in filter(None, args.ranks.split(",")):  # S@R: shortlist S picked by a rank-R factorized head
-        s, r = (int(x) for x in spec.split("@"))
-        lowrank = dict(dparams, head_lowrank=low_rank_head(dparams["head_rows"], r))
-        runs.append((spec, Generator.with_drafter(model, dataclasses.replace(drafter, shortlist=s, shortlist_rank=r),
-                                                  lowrank)))
     for label, gen in runs + [("eagle", Generator.with_drafter(model, *eagle))]:
         tokens = passes = accepted = 0
         macs, equal = 0.0, 0

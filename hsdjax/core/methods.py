@@ -18,7 +18,7 @@ import jax
 
 from hsdjax.core.drafters import ARDrafter, Drafter, DraftLMDrafter, EagleDrafter, HSDDrafter, PromptLookupDrafter
 from hsdjax.core.drafters.checkpoint import load_drafter, shipped_path
-from hsdjax.core.drafters.hsd import POLICIES, low_rank_head
+from hsdjax.core.drafters.hsd import POLICIES
 from hsdjax.core.drafters.pld import FIXED_MAX_NGRAM, TABLE_MAX_NGRAM
 from hsdjax.core.drafters.sps import DRAFT_LENGTHS, check_draft_compatible
 from hsdjax.errors import HsdjaxError
@@ -68,9 +68,6 @@ OPTIONS = (  # in the order of the command line's --help
     Option("shortlist", "int", "hsd: score a chain state's children only among the N likeliest tokens of its "
                                "token-free logits (one head per depth; 0: the whole draft vocabulary, default)",
            0, 1 << 20),
-    Option("shortlist_rank", "int", "hsd with --shortlist: pick each depth's candidates from a rank-R "
-                                    "factorization of the draft head (R(E+V) multiply-adds instead of EV; 0: the "
-                                    "whole head, default)", 0, 1 << 12),
     Option("min_prob", "prob", "hsd/eagle: drop draft nodes below this probability (a smaller tree is verified)",
            0, 1),
     Option("grow_prob", "prob", "hsd/eagle: verify nodes beyond the most likely draft only when their cumulative "
@@ -261,7 +258,7 @@ def make_drafter(method: str, model: Any, **options: Any) -> tuple[Drafter, Any]
     setting = tree_setting(method, model, given)
     if method in FEATURE_METHODS:
         return _feature(method, model, setting, given)
-    if any(k in given for k in ("drafter", "policy", "ahead", "shortlist", "shortlist_rank")):
+    if "drafter" in given or "policy" in given or "ahead" in given or "shortlist" in given:
         raise HsdjaxError(f"--drafter applies to hsd and eagle, --policy, --ahead and --shortlist to hsd; "
                           f"not to {method}")
     if method == "ar":
@@ -334,11 +331,6 @@ def _feature(method: str, model: Any, setting: dict[str, Any], given: Mapping[st
         setting["ahead"] = given["ahead"]
     if given.get("shortlist"):
         setting["shortlist"] = given["shortlist"]
-    if given.get("shortlist_rank"):
-        if not given.get("shortlist"):
-            raise HsdjaxError("--shortlist-rank needs --shortlist")
-        setting["shortlist_rank"] = given["shortlist_rank"]
-        dparams = dict(dparams, head_lowrank=low_rank_head(dparams["head_rows"], given["shortlist_rank"]))
     return feature_drafter(method, cfg, layers, backend=model.cfg.backend, **setting), dparams
 
 

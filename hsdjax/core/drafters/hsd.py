@@ -65,19 +65,12 @@ class HSDDrafter(FeatureDrafter):
     # token-free logits (one head per depth, shared by its nodes; needs ``dparams["head_rows"]``, the
     # draft head [V, E] unpacked): per node only ``g`` and S head rows, not the whole draft vocabulary
     shortlist: int = 0
-    # > 0 (with ``shortlist``): each depth's candidates come from a rank-R factorization of the draft head
-    # (``dparams["head_lowrank"]``, ``low_rank_head``): R (E + V) multiply-adds per depth instead of E V; the
-    # candidates' scores stay exact (a candidate the factorization ranks too low is simply not drafted)
-    shortlist_rank: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         if self.shortlist and (self.cfg.injection == "attn" or not 0 < self.shortlist <= self.cfg.vocab):
             raise HsdjaxError(f"an hsd shortlist needs mlp or film injection and 1..{self.cfg.vocab} candidates "
                               f"(got {self.shortlist}, {self.cfg.injection} injection)")
-        if self.shortlist_rank and (not self.shortlist or not 0 < self.shortlist_rank < self.cfg.hidden):
-            raise HsdjaxError(f"--shortlist-rank needs --shortlist and a rank in 1..{self.cfg.hidden - 1} "
-                              f"(got {self.shortlist_rank})")
 
     # ------------------------------------------------------------------ state
     def init_state(self, dparams, gen, prompt_states):
@@ -156,16 +149,10 @@ class HSDDrafter(FeatureDrafter):
             return jax.nn.log_softmax(net.apply({"params": p}, g, head, d > 0, method=FeatureDrafterNet.logits),
                                       axis=-1)
 
-        def candidate_scores(state_vec, chain):  # [B, V]: the state's token-free logits, or their low-rank estimate
-            if not self.shortlist_rank:
-                return net.apply({"params": p}, state_vec, head, chain, method=FeatureDrafterNet.logits)
-            left, right = dparams["head_lowrank"]  # [V, R], [E, R]
-            y = net.apply({"params": p}, state_vec, chain, method=FeatureDrafterNet.head_input)
-            return jnp.einsum("br,vr->bv", y @ right, left, preferred_element_type=jnp.float32)
-
         def shortlist_logp(state_vec, tokens, parent_tokens, d):  # inject_logp over a shortlist, -inf elsewhere
             chain = d > 0
-            cand = jax.lax.top_k(candidate_scores(state_vec, chain), self.shortlist)[1]  # [B, S] draft-vocabulary ids
+            cand = jax.lax.top_k(net.apply({"params": p}, state_vec, head, chain, method=FeatureDrafterNet.logits),
+                                 self.shortlist)[1]  # [B, S] draft-vocabulary indices
             g = injected(state_vec, tokens, parent_tokens, d)
             y = net.apply({"params": p}, g, chain, method=FeatureDrafterNet.head_input)  # [B, K, E]
             rows = jnp.take(dparams["head_rows"], cand, axis=0)  # [B, S, E]
@@ -199,10 +186,8 @@ class HSDDrafter(FeatureDrafter):
         frontiers = frontiers_expanded(cum, self.depth, self.width, self.grow_prob)
         heads = 1 + frontiers * self.width
         node_head = self._head_macs()
-        if self.shortlist:  # the root's full head, one per expanded depth (or its low-rank estimate), S rows a node
-            per_depth = (self.shortlist_rank * (self.cfg.hidden + self.cfg.vocab) if self.shortlist_rank
-                         else self._head_macs())
-            node_head = (self._head_macs() + frontiers * per_depth) / heads + self.shortlist * self.cfg.hidden
+        if self.shortlist:  # the root's full head, one per expanded depth, then S rows a node
+            node_head = (1 + frontiers) * self._head_macs() / heads + self.shortlist * self.cfg.hidden
         macs = (steps * self._layer_macs(gen.seq_len.astype(jnp.float32) + self.depth + self.ahead)
                 + heads * (self._inject_macs(gen.seq_len.astype(jnp.float32)) + node_head))
         # +1 pass: the ingest after verification
@@ -245,11 +230,3 @@ class HSDDrafter(FeatureDrafter):
         keep_old = lambda a, b: jnp.where(active.reshape(-1, *([1] * (a.ndim - 1))), b, a)  # noqa: E731
         chain = jax.tree_util.tree_map(keep_old, state.replace(ctx=()), new.replace(ctx=()))
         return chain.replace(ctx=ctx)
-
-
-def low_rank_head(head_rows: Float[Array, "V E"], rank: int) -> tuple[Float[Array, "V R"], Float[Array, "E R"]]:
-    """The best rank-``rank`` factorization of the draft head (truncated SVD): ``head_rows`` ~ left @ right.T,
-    so a state's logits are estimated as (y @ right) @ left.T. No training: the shortlist only needs the
-    ranking of the likeliest tokens."""
-    u, sv, vt = jnp.linalg.svd(jnp.asarray(head_rows, jnp.float32), full_matrices=False)
-    return u[:, :rank] * sv[:rank], vt[:rank].T
