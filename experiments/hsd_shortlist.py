@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--tree", default="4/3/5", help="depth/width/budget (the method's default tree)")
     ap.add_argument("--questions", default=str(QUESTIONS))
+    ap.add_argument("--policies", default="", help="S/POLICY/AHEAD,...: shortlist S with a chain refresh policy "
+                                                    "(reuse, refresh, min1..3) and states drafted ahead")
     args = ap.parse_args()
     model = hsdjax.load_model(args.model)
     depth, width, budget = (int(x) for x in args.tree.split("/"))
@@ -42,13 +44,17 @@ def main() -> None:
         ref[name, tuple(ids)] = ar.generate([ids], max_new_tokens=args.max_new)[0].tokens
     print(f"{model.name}, hsd {drafter.depth}/{drafter.width}/{drafter.budget}, {len(prompts)} dev prompts, "
           f"{args.max_new} new tokens")
-    print("shortlist | tokens per round | drafter MMACs per accepted draft | outputs equal to ar")
+    print("shortlist | tokens per round | drafter MMACs per accepted draft | reused share | outputs equal to ar")
     eagle = make_drafter("eagle", model, depth=depth, width=width, budget=budget)
     runs = [(str(s) if s else "full", Generator.with_drafter(model, dataclasses.replace(drafter, shortlist=s), dparams))
             for s in (int(x) for x in args.shortlists.split(","))]
+    for spec in filter(None, args.policies.split(",")):  # S/policy/ahead: the chain's reuse with a shortlist
+        s, policy, ahead = spec.split("/")
+        runs.append((spec, Generator.with_drafter(model, dataclasses.replace(drafter, shortlist=int(s), policy=policy,
+                                                                             ahead=int(ahead)), dparams)))
     for label, gen in runs + [("eagle", Generator.with_drafter(model, *eagle))]:
         tokens = passes = accepted = 0
-        macs, equal = 0.0, 0
+        macs, equal, reused = 0.0, 0, 0
         for name, ids in prompts:
             r = gen.generate([ids], max_new_tokens=args.max_new)[0]
             equal += r.tokens == ref[name, tuple(ids)]
@@ -56,8 +62,9 @@ def main() -> None:
             passes += r.stats["target_passes"]
             accepted += r.stats["accepted_drafts"] - r.stats["lookup_drafts"]
             macs += r.stats["drafter_macs"]
+            reused += r.stats.get("reused_drafts", 0)
         print(f"{label:>9} | {tokens / passes:.3f} | {macs / 1e6 / max(accepted, 1):.2f} | "
-              f"{equal}/{len(prompts)}", flush=True)
+              f"{reused / max(accepted, 1):.3f} | {equal}/{len(prompts)}", flush=True)
 
 
 if __name__ == "__main__":
