@@ -480,3 +480,26 @@ def test_a_killed_run_commits_the_answers_it_wrote(params, tmp_path, monkeypatch
     assert signal.getsignal(signal.SIGTERM) == before
     assert sorted(git("ls-files", "answers").split()) == ["answers/manifest.json", "answers/piece_00000.npz",
                                                           "answers/piece_00001.npz"]
+
+
+def test_loaded_states_are_one_memory_mapped_file_made_once(params, tmp_path):
+    """``load_shards``' states (most of the data) are a read-only memory map of one file made from the
+    shards on the first load and reused by the next (the other method's training): the same values as
+    the shards hold, in order; loading other shards replaces the file."""
+    cfg = dict(CFG_DATA, shard_tokens=60, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(8, seed=5)))
+    man = generate_data(tiny_model(params), cfg, tmp_path / "data", progress=False)
+    first = load_shards(tmp_path / "data")
+    files = list((tmp_path / "data").glob("states-*.npy"))
+    assert len(files) == 1 and isinstance(first["states"], np.memmap)
+    assert not first["states"].flags.writeable
+    stamp = files[0].stat().st_mtime_ns
+    parts = []
+    for shard in man["shards"]:
+        with np.load(tmp_path / "data" / shard["file"]) as z:
+            parts.append(z["states"])
+    assert np.array_equal(first["states"].view(np.uint16), np.concatenate(parts))
+    again = load_shards(tmp_path / "data")
+    assert files[0].stat().st_mtime_ns == stamp  # reused, not written again
+    assert np.array_equal(np.asarray(again["states"], np.float32), np.asarray(first["states"], np.float32))
+    load_shards(tmp_path / "data", limit_tokens=int(man["shards"][0]["tokens"]))
+    assert [f.name for f in (tmp_path / "data").glob("states-*.npy")] != [files[0].name]

@@ -766,6 +766,34 @@ def flatten_recorded(state: Any, prompt_lens: list[int]) -> dict[str, np.ndarray
     return out
 
 
+def states_file(folder: Path, shards: list[dict[str, Any]], total: int) -> np.ndarray:
+    """The ``states`` of ``shards`` (raw uint16 [total, F, E]) as one read-only memory-mapped ``.npy`` in
+    ``folder``, named by the shards it holds; written once, shard by shard, then reused (by the other
+    method's training on the same folder too). Writing a new one removes the folder's older ones."""
+    key = hashlib.sha256(json.dumps([[s["file"], int(s["tokens"]), s.get("sha256")] for s in shards]).encode())
+    path = folder / f"states-{key.hexdigest()[:16]}.npy"
+    if not path.exists():
+        with np.load(folder / shards[0]["file"]) as z:
+            first = z["states"]
+        tmp = path.with_suffix(".partial")
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=first.dtype, shape=(total, *first.shape[1:]))
+        at = 0
+        for shard in shards:
+            with np.load(folder / shard["file"]) as z:
+                part = z["states"]
+            out[at: at + len(part)] = part
+            at += len(part)
+        out.flush()
+        del out
+        for old in folder.glob("states-*.npy"):
+            old.unlink()
+        os.replace(tmp, path)
+    states = np.load(path, mmap_mode="r")
+    if states.shape[0] != total:
+        raise HsdjaxError(f"{path}: {states.shape[0]} tokens of states, the shards hold {total}; delete it")
+    return states
+
+
 def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int = 0) -> dict[str, np.ndarray]:
     """All shards of a data folder as one flat stream; ``states`` as bfloat16 [N, F, E].
 
@@ -776,7 +804,10 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
     first and last stream index of the prompts in the shards loaded.
 
     Each array is allocated once at its final size and filled shard by shard (2M tokens of SmolLM2
-    states are ~9 GB: a concatenation would need twice that)."""
+    states are ~9 GB: a concatenation would need twice that). ``states``, most of the data (1M tokens of
+    Qwen2.5-Coder-1.5B's are 12.6 GB), is a read-only memory map of one file in the folder made from the
+    shards the first time they are loaded (``states_file``): the kernel's page cache holds it and can give
+    it back, so training on more data than memory holds slows down instead of being killed."""
     man_path = folder / "manifest.json"
     if not man_path.exists():
         raise HsdjaxError(f"no drafter data in {folder} (run `hsdjax train-drafter CONFIG --stage data` first)")
@@ -796,11 +827,11 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
             raise HsdjaxError(f"drafter data in {folder}: no shard lies past its first {skip_answers} answer "
                               f"tokens (it holds {skipped_answers}); a larger --token-budget extends it")
         raise HsdjaxError(f"drafter data in {folder} has no shards yet")
-    data: dict[str, np.ndarray] = {}
+    data: dict[str, np.ndarray] = {"states": states_file(folder, shards, total)}
     at, doc_offset = 0, 0
     for shard in shards:
         with np.load(folder / shard["file"]) as z:
-            arrays = {k: z[k] for k in z.files}
+            arrays = {k: z[k] for k in z.files if k != "states"}
         n = arrays["tokens"].shape[0]
         if n != int(shard["tokens"]):
             raise HsdjaxError(f"{folder / shard['file']}: {n} tokens, the manifest says {shard['tokens']}")
