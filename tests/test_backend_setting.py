@@ -29,6 +29,7 @@ READERS = {
     "hsdjax/core/drafters/checkpoint.py": "a drafter binds its matrices as panels beside a cpu-kernel target",
     "hsdjax/core/methods.py": "make_drafter gives the feature drafters their target's setting",
     "train/datagen.py": "the recorder reads the LM head's panels beside a cpu-kernel target",
+    "hsdjax/core/batch.py": "pooled_cache: the row pool keeps the largest bucket's rows where the CPU kernels read by row",
 }
 
 
