@@ -369,6 +369,18 @@ def test_a_run_continues_from_committed_pieces_and_exports_older_data(params, tm
         assert np.array_equal(got[i]["tokens"], whole[i]["tokens"]), i
     answers = json.loads((tmp_path / "answers" / "manifest.json").read_text())
     assert sorted(i for p in answers["pieces"] for i in p["prompts"]) == list(range(26))
+    # the new prompts were generated (and committed) before the held answers were re-recorded, and the
+    # stream reads in the pieces' order all the same: as a machine that only re-records reads it
+    n_cut = len(cut["shards"])
+    assert [s["piece"] for s in man["shards"]] == list(range(n_cut, len(answers["pieces"]))) + list(range(n_cut))
+    stream = load_shards(tmp_path / "machine2")
+    store = AnswerStore(tmp_path / "answers", {"target_fingerprint": answers["target_fingerprint"],
+                                                "tokenizer": answers["tokenizer"], "data_key": answers["data_key"]})
+    in_pieces = [d["tokens"] for p in store.pieces for d in store.read(p)]
+    assert np.array_equal(stream["tokens"], np.concatenate(in_pieces))
+    generate_data(model, kept, tmp_path / "machine3", progress=False)
+    again = load_shards(tmp_path / "machine3")
+    assert np.array_equal(again["tokens"], stream["tokens"]) and np.array_equal(again["doc"], stream["doc"])
 
     # the uninterrupted run's folder, kept before answers were: its shards become pieces, nothing generated
     generate_data(model, dict(cfg, answers=str(tmp_path / "exported")), tmp_path / "whole", progress=False)

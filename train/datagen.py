@@ -213,13 +213,19 @@ class DataWriter:
     def done_prompts(self) -> set[int]:
         return {i for shard in self.manifest["shards"] for i in shard.get("prompts", [])}
 
-    def add(self, arrays: dict[str, np.ndarray], prompts: list[int], seconds: float) -> None:
+    def add(self, arrays: dict[str, np.ndarray], prompts: list[int], seconds: float,
+            piece: int | None = None) -> None:
+        """Write one shard; ``piece``: the index of the recorded-answers piece holding its answers (the
+        stream's order, ``ordered_shards``)."""
         name = f"shard_{len(self.manifest['shards']):05d}.npz"
         tmp = self.folder / f"{name}.{_writer_tag()}.tmp.npz"
         np.savez(tmp, **arrays)
         os.replace(tmp, self.folder / name)
         n, answer = int(arrays["tokens"].shape[0]), int(arrays["answer"].sum())
-        self.manifest["shards"].append({"file": name, "tokens": n, "answer_tokens": answer, "prompts": prompts})
+        entry = {"file": name, "tokens": n, "answer_tokens": answer, "prompts": prompts}
+        if piece is not None:
+            entry["piece"] = int(piece)
+        self.manifest["shards"].append(entry)
         self.manifest["prompts_done"] += len(prompts)
         self.manifest["tokens"] += n
         self.manifest["answer_tokens"] += answer
@@ -475,8 +481,9 @@ class ShardSink:
     """Collects finished documents and writes a shard whenever ``shard_tokens`` are buffered."""
 
     def __init__(self, writer: DataWriter, shard_tokens: int, bar: Any, answers: AnswerStore | None = None,
-                 commits: GitCommits | None = None):
+                 commits: GitCommits | None = None, pending: int = 0):
         self.writer, self.shard_tokens, self.bar = writer, shard_tokens, bar
+        self.pending = pending  # recorded answers to re-record after this run: they count toward the budget
         self.answers, self.commits = answers, commits  # each shard's answers also become a piece there
         self.docs: list[dict[str, np.ndarray]] = []
         self.prompts: list[int] = []
@@ -488,8 +495,8 @@ class ShardSink:
 
     @property
     def tokens(self) -> int:
-        """Tokens written plus buffered."""
-        return self.writer.manifest["tokens"] + self.buffered
+        """Tokens written plus buffered plus recorded answers still to re-record."""
+        return self.writer.manifest["tokens"] + self.buffered + self.pending
 
     def add(self, job: Job, doc: dict[str, np.ndarray]) -> None:
         self.docs.append(doc)
@@ -510,7 +517,8 @@ class ShardSink:
         man["sources"] = sorted(self.sources)
         man["work"] = self.work.add_to(self.work_before)
         now = time.perf_counter()
-        self.writer.add(arrays, self.prompts, now - self.t0)
+        piece = len(self.answers.pieces) if self.answers is not None else None  # the piece it becomes
+        self.writer.add(arrays, self.prompts, now - self.t0, piece)
         if self.answers is not None and jax.process_index() == 0:  # one writer of the repository's copy
             self.answers.add(self.docs, self.prompts)
             if self.commits is not None:
@@ -546,27 +554,41 @@ def generate_data(model: Any, data_cfg: dict[str, Any], folder: Path, *, progres
 
 def _generate(model: Any, data_cfg: dict[str, Any], opts: dict[str, Any], writer: DataWriter,
               answers: AnswerStore | None, commits: GitCommits | None, progress: bool) -> dict[str, Any]:
-    """``generate_data``'s work: answers re-recorded, then the prompts no shard holds generated."""
-    from tqdm import tqdm
-
+    """``generate_data``'s work: the prompts no shard and no recorded answer holds generated first (the work
+    that cannot be redone without generating, committed as it goes), then the recorded answers the folder
+    lacks re-recorded. The shards remember their piece, so the stream reads the same in either order."""
     man, budget = writer.manifest, opts["token_budget"]
+    pending = 0  # tokens of recorded answers not yet in a shard here
     if answers is not None:
         if jax.process_index() == 0:
             export_shards(writer, answers)
+        done = writer.done_prompts()
+        pending = sum(int(p["tokens"]) for p in answers.pieces if not set(p["prompts"]) <= done)
+    if not man["complete"] and man["tokens"] + pending < budget:  # complete = every prompt used
+        _generate_new(model, data_cfg, opts, writer, answers, commits, progress, pending)
+    if answers is not None:
         rerecord_pieces(model, answers, writer, opts, progress=progress)
-    if man["complete"] or man["tokens"] >= budget:  # complete = every prompt used; a larger budget continues
-        return man
+    return man
+
+
+def _generate_new(model: Any, data_cfg: dict[str, Any], opts: dict[str, Any], writer: DataWriter,
+                  answers: AnswerStore | None, commits: GitCommits | None, progress: bool, pending: int) -> None:
+    """Generate answers for the prompts nothing holds yet until ``pending`` (recorded answers to re-record)
+    plus the shards reach the token budget, or every prompt is used."""
+    from tqdm import tqdm
+
+    man, budget = writer.manifest, opts["token_budget"]
     stream = prompt_stream(data_cfg)
     if opts["first_prompt"] >= len(stream):
         raise HsdjaxError(f"data.first_prompt {opts['first_prompt']} is past the end of the prompt stream "
                           f"({len(stream)} prompts)")
-    done = writer.done_prompts()
+    done = writer.done_prompts() | (answers.held_prompts() if answers is not None else set())
     todo = [r for r in stream[opts["first_prompt"]:] if r["index"] not in done]
     gen = recording_generator(model, opts["top_k_logits"])
     tok = model.tokenizer
-    bar = tqdm(total=budget, initial=min(man["tokens"], budget), unit="tok", desc="drafter data",
+    bar = tqdm(total=budget, initial=min(man["tokens"] + pending, budget), unit="tok", desc="drafter data",
                disable=not progress, smoothing=0.1)
-    sink = ShardSink(writer, opts["shard_tokens"], bar, answers, commits)
+    sink = ShardSink(writer, opts["shard_tokens"], bar, answers, commits, pending)
     for start in range(0, len(todo), opts["chunk"]):
         if sink.tokens >= budget:
             break
@@ -576,7 +598,6 @@ def _generate(model: Any, data_cfg: dict[str, Any], opts: dict[str, Any], writer
     bar.close()
     man["complete"] = sink.tokens < budget  # every prompt was used before the budget ran out
     writer.save()
-    return man
 
 
 # ------------------------------------------------------------------------------------------ recorded answers
@@ -618,14 +639,14 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
     from tqdm import tqdm
 
     done, budget = writer.done_prompts(), opts["token_budget"]
-    todo = [p for p in answers.pieces if not set(p["prompts"]) <= done]
+    todo = [(i, p) for i, p in enumerate(answers.pieces) if not set(p["prompts"]) <= done]
     if not todo or writer.manifest["tokens"] >= budget:
         return 0
-    total = min(sum(p["tokens"] for p in todo), budget - writer.manifest["tokens"])
+    total = min(sum(p["tokens"] for _, p in todo), budget - writer.manifest["tokens"])
     drafter, dparams = recording_drafter(model, opts["top_k_logits"])
     bar = tqdm(total=total, unit="tok", desc="re-recording answers", disable=not progress, smoothing=0.1)
     recorded = 0
-    for piece in todo:
+    for index, piece in todo:
         if writer.manifest["tokens"] >= budget:
             break
         docs = [d for d in answers.read(piece) if d["prompt"] not in done]
@@ -641,7 +662,7 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
         man["rerecorded_tokens"] = man.get("rerecorded_tokens", 0) + int(arrays["tokens"].size)
         man["rerecord_s"] = round(man.get("rerecord_s", 0.0) + seconds, 2)
         man["rerecord_compile_s"] = round(man.get("rerecord_compile_s", 0.0) + compile_s, 2)
-        writer.add(arrays, [d["prompt"] for d in docs], seconds)
+        writer.add(arrays, [d["prompt"] for d in docs], seconds, index)
         recorded += int(arrays["tokens"].size)
         bar.update(int(arrays["tokens"].size))
     bar.close()
@@ -794,6 +815,13 @@ def states_file(folder: Path, shards: list[dict[str, Any]], total: int) -> np.nd
     return states
 
 
+def ordered_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """A data folder's shards in the stream's order: that of the recorded-answers pieces they hold (a
+    machine may generate new answers before re-recording older ones), else the order they were written."""
+    shards = manifest["shards"]
+    return [s for _, s in sorted(enumerate(shards), key=lambda e: (e[1].get("piece", e[0]), e[0]))]
+
+
 def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int = 0) -> dict[str, np.ndarray]:
     """All shards of a data folder as one flat stream; ``states`` as bfloat16 [N, F, E].
 
@@ -801,7 +829,8 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
     manifest copy's ``tokens`` and ``answer_tokens`` then say where they end). ``skip_answers``: leave
     out every shard that holds any of the folder's first ``skip_answers`` answer tokens (whole shards);
     the manifest copy then records ``skipped_tokens`` and ``skipped_answers``, and ``prompt_span``: the
-    first and last stream index of the prompts in the shards loaded.
+    first and last stream index of the prompts in the shards loaded; its ``shards`` are listed in the
+    stream's order (``ordered_shards``).
 
     Each array is allocated once at its final size and filled shard by shard (2M tokens of SmolLM2
     states are ~9 GB: a concatenation would need twice that). ``states``, most of the data (1M tokens of
@@ -813,7 +842,7 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
         raise HsdjaxError(f"no drafter data in {folder} (run `hsdjax train-drafter CONFIG --stage data` first)")
     man = json.loads(man_path.read_text())
     shards, total, skipped, skipped_answers = [], 0, 0, 0
-    for shard in man["shards"]:
+    for shard in ordered_shards(man):
         if limit_tokens and total >= limit_tokens:
             break
         if skipped_answers < skip_answers:
@@ -847,6 +876,6 @@ def load_shards(folder: Path, limit_tokens: int | None = None, skip_answers: int
     if limit_tokens:  # where in the sequence the loaded data end (not the folder)
         man = {**man, "tokens": skipped + total,
                "answer_tokens": skipped_answers + sum(int(shard["answer_tokens"]) for shard in shards)}
-    data["manifest"] = {**man, "skipped_tokens": skipped, "skipped_answers": skipped_answers,
+    data["manifest"] = {**man, "shards": ordered_shards(man), "skipped_tokens": skipped, "skipped_answers": skipped_answers,
                         "prompt_span": [min(indices), max(indices)] if indices else None}
     return data

@@ -600,8 +600,13 @@ def grow_rows(state: DecodeState, size: int) -> DecodeState:
     cache = state.gen.cache
     if isinstance(cache.k, tuple) or cache.k.shape[1] < size:
         return _grow_rows(state, size)
-    out = _grow_rows(state.replace(gen=state.gen.replace(cache=cache.replace(k=None, v=None))), size)
-    return out.replace(gen=out.gen.replace(cache=out.gen.cache.replace(k=cache.k, v=cache.v)))
+    return _with_kv(_grow_rows(_with_kv(state, None, None), size), cache.k, cache.v)
+
+
+def _with_kv(state: DecodeState, k: Array | None, v: Array | None) -> DecodeState:
+    """``state`` with its KV cache's ``k`` / ``v`` replaced (None: detached, so that a jitted function over
+    the small leaves neither copies nor reads the cache)."""
+    return state.replace(gen=state.gen.replace(cache=state.gen.cache.replace(k=k, v=v)))
 
 
 @partial(jax.jit, static_argnames=("size",))
@@ -646,8 +651,7 @@ def compact_rows(state: DecodeState, rows: Int[Array, " N"]) -> DecodeState:
     was overwritten."""
     cache = state.gen.cache
     k, v = _move_cache_rows(cache.k, cache.v, rows)
-    small = take_rows(state.replace(gen=state.gen.replace(cache=cache.replace(k=None, v=None))), rows)
-    return small.replace(gen=small.gen.replace(cache=small.gen.cache.replace(k=k, v=v)))
+    return _with_kv(take_rows(_with_kv(state, None, None), rows), k, v)
 
 
 @partial(jax.jit, donate_argnames=("k", "v"))
