@@ -5,8 +5,10 @@ become one document."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -24,6 +26,8 @@ from hsdjax.train.datagen import (
     recording_generator,
 )
 from tests.conftest import TINY_LLAMA
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CFG = TINY_LLAMA
 STOPS = (3, 41)  # the (sharpened) random model's greedy answers hit these at varied lengths
@@ -515,3 +519,40 @@ def test_loaded_states_are_one_memory_mapped_file_made_once(params, tmp_path):
     assert np.array_equal(np.asarray(again["states"], np.float32), np.asarray(first["states"], np.float32))
     load_shards(tmp_path / "data", limit_tokens=int(man["shards"][0]["tokens"]))
     assert [f.name for f in (tmp_path / "data").glob("states-*.npy")] != [files[0].name]
+
+
+def test_bfloat16_rerecording_is_close_to_float32_and_not_part_of_the_data(smollm_kernel):
+    """``data.rerecord_dtype="bfloat16"``: the teacher-forced passes multiply the decoded projections in
+    bfloat16 (float32 sums), recording states close to the float32 pass's and the same top ids nearly
+    everywhere; where the answers live and how they are re-recorded is not part of the data's key."""
+    import ml_dtypes
+
+    from hsdjax.kernels import cpu_matmul
+
+    model = smollm_kernel
+    rng = np.random.RandomState(3)
+    store = AnswerStore(ROOT / "data/answers/smollm2-135m",
+                        json.loads((ROOT / "data/answers/smollm2-135m/manifest.json").read_text()))
+    docs = [d["tokens"][:200] for d in store.read(store.pieces[0])[:4]] + [rng.randint(0, 49152, 70).astype(np.int32)]
+    drafter, dparams = datagen.recording_drafter(model, 8)
+    assert datagen.rerecording_target(model, "float32") is model
+    fast = datagen.rerecording_target(model, "bfloat16")
+    assert fast.cfg.prefill_dot_dtype == "bfloat16" and fast.cfg.cpu_matmul_prefill_xla
+    layers = fast.params["layers"]
+    assert all(w.dtype in (jnp.bfloat16, jnp.float32) for w in jax.tree_util.tree_leaves(layers))
+    assert any(w.dtype == jnp.bfloat16 for w in jax.tree_util.tree_leaves(layers))
+    exact, _ = datagen.teacher_forced(model, drafter, dparams, docs, 4)
+    rounded, _ = datagen.teacher_forced(fast, drafter, dparams, docs, 4)
+    a = np.concatenate([r["states"] for r in exact]).view(ml_dtypes.bfloat16).astype(np.float32)
+    b = np.concatenate([r["states"] for r in rounded]).view(ml_dtypes.bfloat16).astype(np.float32)
+    rel = np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(a, axis=-1), 1e-6)
+    assert 0 < np.median(rel) < 0.02 and np.percentile(rel, 99) < 0.1, (np.median(rel), np.percentile(rel, 99))
+    ids_a = np.concatenate([r["top_ids"][:, 0] for r in exact])
+    ids_b = np.concatenate([r["top_ids"][:, 0] for r in rounded])
+    assert np.mean(ids_a == ids_b) > 0.97
+    cfg = dict(CFG_DATA, prompts="p.jsonl")
+    assert datagen.data_key("x", cfg) == datagen.data_key("x", dict(cfg, rerecord_dtype="bfloat16"))
+    assert datagen.data_settings(dict(cfg, rerecord_dtype="bfloat16"))["rerecord_dtype"] == "bfloat16"
+    assert (datagen.rerecording_target(model, "auto") is model) != cpu_matmul.has_bf16_units()
+    with pytest.raises(HsdjaxError, match="data.rerecord_dtype must be float32, bfloat16 or auto"):
+        datagen.data_settings(dict(cfg, rerecord_dtype="float16"))

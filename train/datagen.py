@@ -53,7 +53,7 @@ from hsdjax.train.train import sigterm_as_interrupt
 
 MANIFEST_FORMAT = 2  # 2: shards list their prompts' stream indices (continuous batching)
 PERF_KEYS = ("dir", "answers", "token_budget", "batch", "refill_every", "chunk", "shard_tokens",
-             "rerecord_batch")  # not part of the data
+             "rerecord_batch", "rerecord_dtype")  # not part of the data
 PREFILL_SIZES = (16, 4, 1)  # new rows are prefilled in groups of these sizes (few compiled shapes, no padding)
 
 
@@ -178,6 +178,10 @@ def data_settings(data_cfg: dict[str, Any]) -> dict[str, Any]:
     if answers is not None and (not isinstance(answers, str) or not answers.strip()):
         raise HsdjaxError(f"data.answers must be a folder path (got {answers!r})")
     out["answers"] = answers
+    rerecord_dtype = data_cfg.get("rerecord_dtype", "float32")
+    if rerecord_dtype not in ("float32", "bfloat16", "auto"):
+        raise HsdjaxError(f"data.rerecord_dtype must be float32, bfloat16 or auto (got {rerecord_dtype!r})")
+    out["rerecord_dtype"] = rerecord_dtype
     return out
 
 
@@ -644,6 +648,7 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
         return 0
     total = min(sum(p["tokens"] for _, p in todo), budget - writer.manifest["tokens"])
     drafter, dparams = recording_drafter(model, opts["top_k_logits"])
+    model, programs = rerecording_target(model, opts["rerecord_dtype"]), {}
     bar = tqdm(total=total, unit="tok", desc="re-recording answers", disable=not progress, smoothing=0.1)
     recorded = 0
     for index, piece in todo:
@@ -652,7 +657,7 @@ def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: 
         docs = [d for d in answers.read(piece) if d["prompt"] not in done]
         t0 = time.perf_counter()
         records, compile_s = teacher_forced(model, drafter, dparams, [d["tokens"] for d in docs],
-                                            opts["rerecord_batch"])
+                                            opts["rerecord_batch"], programs)
         for d, rec in zip(docs, records):
             rec["tokens"], rec["answer"] = d["tokens"], d["answer"]
         arrays = {k: np.concatenate([r[k] for r in records]) for k in records[0]}
@@ -687,16 +692,51 @@ def record_forward(params: dict[str, Any], dparams: dict[str, Array], tokens: In
     return {"states": states, "top_logits": vals.reshape(b, t, -1), "top_ids": ids.reshape(b, t, -1)}
 
 
+def rerecording_target(model: Any, dtype: str) -> Any:
+    """The target the teacher-forced passes run: ``model`` itself, or for ``dtype="bfloat16"`` on the CPU
+    kernels a copy whose projections are decoded once to bfloat16 and multiplied by XLA's dot with
+    bfloat16 inputs and float32 sums (``ModelConfig.prefill_dot_dtype``), which runs on the CPU's
+    bfloat16 units (AMX, AVX512-BF16): Qwen2.5-Coder-1.5B's passes 1.7x faster on a Xeon with AMX; states
+    within 0.4% (median; 2% at p99) of the float32 pass's, top-1 ids equal at 99.8% of positions. The
+    LM head (the recorded logits and ids) keeps the float32 products. ``"auto"``: bfloat16 where the CPU
+    has bfloat16 units (``cpu_matmul.has_bf16_units``; without them XLA's bfloat16 dot is slower than the
+    kernel's float32 one), else float32. Other backends: the model's own dtype."""
+    from hsdjax.kernels.cpu_matmul import PANEL, decompress, has_bf16_units, is_compressed
+
+    if dtype == "auto":
+        dtype = "bfloat16" if has_bf16_units() else "float32"
+    if dtype == "float32" or model.cfg.resolved_backend != "cpu-kernel":
+        return model
+
+    decode = jax.jit(lambda w: decompress(w).astype(jnp.bfloat16))
+
+    def leaf(path, w):
+        name = jax.tree_util.keystr(path)
+        if "head" in name:  # the model's LM head: not read by these passes
+            return w
+        if is_compressed(w):
+            return decode(w)
+        if w.ndim >= 3 and w.shape[-1] == PANEL and w.dtype == jnp.float32:  # float32 panels
+            return w.astype(jnp.bfloat16)
+        return w
+
+    params = jax.tree_util.tree_map_with_path(leaf, model.params)
+    cfg = model.cfg.replace(cpu_matmul_prefill_xla=True, prefill_dot_dtype=dtype)
+    return dataclasses.replace(model, params=params, cfg=cfg)
+
+
 def teacher_forced(model: Any, drafter: RecordingDrafter, dparams: dict[str, Array], docs: list[np.ndarray],
-                   batch: int) -> tuple[list[dict[str, np.ndarray]], float]:
+                   batch: int, programs: dict | None = None) -> tuple[list[dict[str, np.ndarray]], float]:
     """What the recorder records for each document (``states``, ``top_logits``, ``top_ids`` at each of
     its positions), from one forward over its tokens (``record_forward``) instead of generating them:
     documents sorted by length, ``batch`` rows per pass (fewer, a power of two, for a short last group),
     each group padded to a multiple of ``RERECORD_ALIGN`` positions (a power-of-two prompt bucket padded
-    the answers' lengths by 1.9x). Also returns the seconds spent compiling (once per padded shape)."""
+    the answers' lengths by 1.9x). Also returns the seconds spent compiling (once per padded shape;
+    ``programs`` keeps the compiled ones from call to call)."""
     order = sorted(range(len(docs)), key=lambda i: (len(docs[i]), i))
     out: list[dict[str, np.ndarray]] = [{} for _ in docs]
-    compile_s, programs = 0.0, {}
+    compile_s = 0.0
+    programs = {} if programs is None else programs
     for start in range(0, len(order), batch):
         group = order[start: start + batch]
         rows = min(batch, 1 << (len(group) - 1).bit_length())

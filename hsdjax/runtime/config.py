@@ -74,6 +74,10 @@ class ModelConfig:
     # pass has, ``cpu_attention.MAX_NEW_TOKENS``) multiply through XLA's dot on the decoded weights (``load_model``
     # sets it where its measurement found XLA's dot faster for them; every method prefills alike).
     cpu_matmul_prefill_xla: bool = False
+    # Those prompt chunks' dots in "bfloat16" (inputs and decoded weights rounded, float32 sums) instead of
+    # "float32": ~3x the arithmetic rate where the CPU has bfloat16 units (AMX, AVX512-BF16). Not exact, so
+    # only where a pass needs no equality with decoding: the drafter-data re-recording (``data.rerecord_dtype``).
+    prefill_dot_dtype: str = "float32"
     # Greedy tokens of the LM head through an int8 screen (``cpu_matmul.screened_argmax``: the same index
     # as the float32 logits' argmax, most of the head's float32 products skipped); the params then carry
     # ``head_colabs``. Set by ``load_model`` when the head is an 8-bit compressed panel and the CPU has VNNI.
@@ -92,6 +96,8 @@ class ModelConfig:
             raise HsdjaxError(f"backend must be one of {', '.join(BACKENDS)} (got {self.backend!r})")
         if self.cache_dtype not in CACHE_DTYPES:
             raise HsdjaxError(f"cache_dtype must be one of float32, float16, bfloat16 (got {self.cache_dtype!r})")
+        if self.prefill_dot_dtype not in ("float32", "bfloat16"):
+            raise HsdjaxError(f"prefill_dot_dtype must be float32 or bfloat16 (got {self.prefill_dot_dtype!r})")
         if self.num_heads % self.num_kv_heads:
             raise HsdjaxError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -199,7 +199,7 @@ def kernel_matmul(cfg: ModelConfig, h: Float[Array, "... T K"], wp: Any,
     always take the kernel, so a tree pass computes what one-token steps compute. ``layer``: ``wp`` is the
     stack over layers and the kernel reads that layer's panels in place."""
     if cfg.cpu_matmul_prefill_xla and h.ndim >= 2 and h.shape[-2] > MAX_NEW_TOKENS:
-        return panel_matmul_reference(h, wp, cfg.cpu_matmul_activations, layer)
+        return panel_matmul_reference(h, wp, cfg.cpu_matmul_activations, layer, cfg.prefill_dot_dtype)
     return panel_matmul(h, wp, cfg.cpu_matmul_activations, layer)
 
 
