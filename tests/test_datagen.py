@@ -392,6 +392,14 @@ def test_a_run_continues_from_committed_pieces_and_exports_older_data(params, tm
     assert exported["tokens"] == sum(len(v["tokens"]) for v in whole.values())
 
 
+def test_a_budget_takes_the_pieces_that_start_before_it():
+    pieces = [{"tokens": 100}, {"tokens": 100}, {"tokens": 100}]
+    assert [i for i, _ in datagen.in_budget(pieces, 150)] == [0, 1]
+    assert [i for i, _ in datagen.in_budget(pieces, 200)] == [0, 1]
+    assert [i for i, _ in datagen.in_budget(pieces, 201)] == [0, 1, 2]
+    assert datagen.in_budget(pieces, 10**6) == list(enumerate(pieces))
+
+
 def test_answers_of_another_target_or_a_damaged_piece_are_refused(params, tmp_path):
     cfg = dict(CFG_DATA, prompts=write_prompts(tmp_path / "p.jsonl", random_prompts(8, seed=9)),
                answers=str(tmp_path / "answers"))

@@ -567,7 +567,7 @@ def _generate(model: Any, data_cfg: dict[str, Any], opts: dict[str, Any], writer
         if jax.process_index() == 0:
             export_shards(writer, answers)
         done = writer.done_prompts()
-        pending = sum(int(p["tokens"]) for p in answers.pieces if not set(p["prompts"]) <= done)
+        pending = sum(int(p["tokens"]) for _, p in in_budget(answers.pieces, budget) if not set(p["prompts"]) <= done)
     if not man["complete"] and man["tokens"] + pending < budget:  # complete = every prompt used
         _generate_new(model, data_cfg, opts, writer, answers, commits, progress, pending)
     if answers is not None:
@@ -635,25 +635,37 @@ def export_shards(writer: DataWriter, answers: AnswerStore) -> int:
     return written
 
 
+def in_budget(pieces: list[dict[str, Any]], budget: int) -> list[tuple[int, dict[str, Any]]]:
+    """The pieces (with their indices) that make a token budget's data: in order, each one that starts
+    before the budget (the run that made them stopped once the budget was reached; its last documents
+    may run past it)."""
+    out, start = [], 0
+    for i, piece in enumerate(pieces):
+        if start >= budget:
+            break
+        out.append((i, piece))
+        start += int(piece["tokens"])
+    return out
+
+
 def rerecord_pieces(model: Any, answers: AnswerStore, writer: DataWriter, opts: dict[str, Any], *,
                     progress: bool = True) -> int:
-    """Shards for the recorded answers the data folder lacks, piece by piece until the token budget, by
+    """Shards for the recorded answers the data folder lacks, piece by piece, of the pieces the token
+    budget takes (``in_budget``: all of a generating run's, its last documents past the budget too), by
     a teacher-forced pass over each document (``teacher_forced``): no token is generated. A piece
     becomes one shard, so a killed run resumes at the next piece. Returns the tokens re-recorded."""
     from tqdm import tqdm
 
-    done, budget = writer.done_prompts(), opts["token_budget"]
-    todo = [(i, p) for i, p in enumerate(answers.pieces) if not set(p["prompts"]) <= done]
-    if not todo or writer.manifest["tokens"] >= budget:
+    done = writer.done_prompts()
+    todo = [(i, p) for i, p in in_budget(answers.pieces, opts["token_budget"]) if not set(p["prompts"]) <= done]
+    if not todo:
         return 0
-    total = min(sum(p["tokens"] for _, p in todo), budget - writer.manifest["tokens"])
+    total = sum(p["tokens"] for _, p in todo)
     drafter, dparams = recording_drafter(model, opts["top_k_logits"])
     model, programs = rerecording_target(model, opts["rerecord_dtype"]), {}
     bar = tqdm(total=total, unit="tok", desc="re-recording answers", disable=not progress, smoothing=0.1)
     recorded = 0
     for index, piece in todo:
-        if writer.manifest["tokens"] >= budget:
-            break
         docs = [d for d in answers.read(piece) if d["prompt"] not in done]
         t0 = time.perf_counter()
         records, compile_s = teacher_forced(model, drafter, dparams, [d["tokens"] for d in docs],
