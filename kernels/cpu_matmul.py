@@ -472,11 +472,6 @@ def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str =
     bfloat16 units where it has them: AMX, AVX512-BF16)."""
     if layer is not None:
         wp = wp[layer]
-    if dot_dtype == "bfloat16":
-        w = decompress(wp) if is_compressed(wp) else wp
-        y = jnp.einsum("...k,pkj->...pj", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                       preferred_element_type=jnp.float32)
-        return y.reshape(*y.shape[:-2], -1)
     if activations == "bfloat16" and is_compressed(wp) and compressed_bits(wp) == 4:
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     if activations == "int8" and is_compressed(wp) and x.shape[-1] % 32 == 0:
@@ -485,8 +480,9 @@ def panel_matmul_reference(x: Float[Array, "... K"], wp: Any, activations: str =
         x = quantize_activations(x, 32767)
     if is_compressed(wp):
         wp = decompress(wp)
-    wp = wp.astype(jnp.float32)  # bfloat16 panels: exact
-    y = jnp.einsum("...k,pkj->...pj", x, wp, preferred_element_type=jnp.float32)
+    dt = jnp.dtype(dot_dtype)
+    wp = wp.astype(dt)  # float32 from bfloat16 panels: exact
+    y = jnp.einsum("...k,pkj->...pj", x.astype(dt), wp, preferred_element_type=jnp.float32)
     return y.reshape(*y.shape[:-2], -1)
 
 
